@@ -1,0 +1,1 @@
+"""Device backends shipped with DeepInfer, each registered under the `deepinfer.backends` entry-point group."""

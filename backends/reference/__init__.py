@@ -1,0 +1,65 @@
+"""The reference backend: every op in plain PyTorch with float32 accumulation, on any torch device.
+
+It is the golden implementation every other backend is tested against, so it favours clarity over speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
+from deepinfer.backend import Backend, Capabilities, Dispatched, Pending, Probe
+from deepinfer.weights import LinearWeight
+
+from deepinfer.backends.reference import attention, comm, gemm
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    CAPABILITIES = Capabilities(
+        weight_formats=frozenset({"bf16", "fp8_e4m3", "nvfp4"}),
+        kv_cache_dtypes=frozenset({"bf16", "fp16", "fp32", "fp8_e4m3"}),
+        graph_capture=False,
+        dist_backend="gloo",
+    )
+    DEFAULT_DEVICE = "cpu"
+
+    def __init__(self, device: str | torch.device | None = None):
+        self._device = torch.device(device if device is not None else self.DEFAULT_DEVICE)
+
+    @classmethod
+    def probe(cls) -> Probe:
+        return Probe(True, "plain PyTorch; runs on any torch device", cls.DEFAULT_DEVICE)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> torch.Tensor:
+        return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=self.device)
+
+    def plan_attention(self, batch: AttentionBatch, spec: KVCacheSpec) -> AttentionPlan:
+        return AttentionPlan.build(batch, spec, self.device)
+
+    def write_cache(self, plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        attention.write_cache(plan, cache, c_kv, k_pe)
+
+    def run_attention(self, plan, cache, q_nope, q_pe, softmax_scale, return_lse=False):
+        return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse)
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        return gemm.linear(x, weight)
+
+    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
+        return gemm.grouped_linear(x, weight, group_sizes)
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None) -> Pending[Dispatched]:
+        return comm.dispatch(x, topk_ids, topk_weights, num_experts, group)
+
+    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+        return comm.combine(dispatched, expert_out)
+
+    def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return comm.all_reduce(x, group)

@@ -1,0 +1,1 @@
+"""Filled in by the reference-backend work in progress."""

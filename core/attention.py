@@ -1,0 +1,167 @@
+"""Per-step attention metadata shared by every backend: the latent cache's layout and a batch's shape.
+
+The engine builds one AttentionBatch per step on the host; the backend's `plan_attention` turns it into
+device tensors once, and every layer's `write_cache` / `run_attention` reuses that plan (FlashInfer's
+plan/run split: planning is host work, the per-layer launches are graph-capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.errors import InvalidInputError
+from deepinfer.quant import FP8_BLOCK, cdiv
+
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.uint8}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's paged latent cache: [num_blocks, block_size, entry] per layer.
+
+    Float caches hold kv_lora_rank latent values then rope_dim rope-key values per token (576 for DeepSeek).
+    The fp8_e4m3 cache is DeepSeek's FlashMLA layout, in bytes: kv_lora_rank E4M3 values, one fp32 scale per
+    128 of them, then rope_dim bf16 values (656 bytes for DeepSeek).
+    """
+
+    num_blocks: int
+    block_size: int = 64
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise InvalidInputError(f"kv cache dtype {self.dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}")
+        for field in ("num_blocks", "block_size", "kv_lora_rank", "rope_dim"):
+            if getattr(self, field) <= 0:
+                raise InvalidInputError(f"KVCacheSpec.{field} must be positive, got {getattr(self, field)}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "fp8_e4m3"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.dtype]
+
+    @property
+    def num_scales(self) -> int:
+        return cdiv(self.kv_lora_rank, FP8_BLOCK)
+
+    @property
+    def entry_size(self) -> int:
+        """Elements of torch_dtype per token."""
+        if self.is_fp8:
+            return self.kv_lora_rank + 4 * self.num_scales + 2 * self.rope_dim
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.entry_size * self.torch_dtype.itemsize
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_blocks, self.block_size, self.entry_size)
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Host-side shape of one step: per sequence, how many new tokens it brings and how long it is.
+
+    Sequence i holds seq_lens[i] tokens once this step's query_lens[i] new tokens are written; its new
+    tokens are the last query_lens[i] positions and each attends causally to every position up to its own.
+    This covers decode (1 query), speculative verification (k queries) and chunked prefill (a cached
+    prefix plus a chunk) alike. block_tables[i] lists the cache blocks of sequence i in order.
+    """
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.query_lens)
+        if n == 0:
+            raise InvalidInputError("AttentionBatch needs at least one sequence")
+        if len(self.seq_lens) != n or len(self.block_tables) != n:
+            raise InvalidInputError(
+                f"AttentionBatch: query_lens ({n}), seq_lens ({len(self.seq_lens)}) and block_tables "
+                f"({len(self.block_tables)}) must have one entry per sequence"
+            )
+        for i, (q, s) in enumerate(zip(self.query_lens, self.seq_lens)):
+            if q < 1:
+                raise InvalidInputError(f"sequence {i}: query_len must be >= 1, got {q}")
+            if s < q:
+                raise InvalidInputError(f"sequence {i}: seq_len {s} is shorter than its query_len {q}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def positions(self) -> list[int]:
+        """Position of every new token, sequence by sequence."""
+        return [p for q, s in zip(self.query_lens, self.seq_lens) for p in range(s - q, s)]
+
+    def validate_for(self, spec: KVCacheSpec) -> None:
+        """Every block table covers its sequence and names only blocks that exist."""
+        for i, (s, table) in enumerate(zip(self.seq_lens, self.block_tables)):
+            need = cdiv(s, spec.block_size)
+            if len(table) < need:
+                raise InvalidInputError(
+                    f"sequence {i}: block table has {len(table)} blocks but {s} tokens need {need} of size {spec.block_size}"
+                )
+            for b in table[:need]:
+                if not 0 <= b < spec.num_blocks:
+                    raise InvalidInputError(f"sequence {i}: block id {b} is out of range [0, {spec.num_blocks})")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """Device tensors of one step, built by `Backend.plan_attention`; backends may subclass it.
+
+    query_start_loc [B+1] int32: token offsets of each sequence's queries; seq_lens [B] int32;
+    block_table [B, max_blocks] int32 (padded with 0); slot_mapping [T] int64: cache slot
+    (block * block_size + offset) of each new token; positions [T] int64.
+    """
+
+    batch: AttentionBatch
+    spec: KVCacheSpec
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def build(cls, batch: AttentionBatch, spec: KVCacheSpec, device: torch.device, **extra) -> AttentionPlan:
+        """Validate `batch` against `spec` and lay out the common tensors on `device`."""
+        batch.validate_for(spec)
+        bs = spec.block_size
+        starts = [0]
+        for q in batch.query_lens:
+            starts.append(starts[-1] + q)
+        width = max(cdiv(s, bs) for s in batch.seq_lens)
+        table = [list(t[: cdiv(s, bs)]) + [0] * (width - cdiv(s, bs)) for t, s in zip(batch.block_tables, batch.seq_lens)]
+        positions = batch.positions()
+        slots, k = [], 0
+        for i, q in enumerate(batch.query_lens):
+            for _ in range(q):
+                p = positions[k]
+                slots.append(batch.block_tables[i][p // bs] * bs + p % bs)
+                k += 1
+        return cls(
+            batch=batch,
+            spec=spec,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+            block_table=torch.tensor(table, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            **extra,
+        )

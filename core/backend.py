@@ -1,0 +1,173 @@
+"""The backend contract: what a device backend implements for the backend-neutral core.
+
+A backend provides attention over the paged latent cache (plan once per step, then write_cache and
+run_attention per layer), GEMMs (linear, grouped_linear over experts) and communication (dispatch,
+combine, all_reduce). Small fused ops (rms_norm, rope, silu_and_mul, routing, activation quantisation)
+live in `deepinfer.ops.FusedOps`; a backend overrides the ones it accelerates by returning a subclass
+from `ops`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
+from deepinfer.ops import FusedOps
+from deepinfer.weights import LinearWeight
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Answer to "can this backend run here?"; `reason` says why not (or what it found)."""
+
+    usable: bool
+    reason: str
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    weight_formats: frozenset[str]  # "bf16", "fp8_e4m3", "nvfp4"
+    kv_cache_dtypes: frozenset[str]  # "bf16", "fp32", "fp8_e4m3", ...
+    graph_capture: bool
+    dist_backend: str  # torch.distributed backend name: gloo / nccl / hccl
+
+    def describe(self) -> str:
+        return (
+            f"weights={','.join(sorted(self.weight_formats))} kv={','.join(sorted(self.kv_cache_dtypes))} "
+            f"graphs={'yes' if self.graph_capture else 'no'} dist={self.dist_backend}"
+        )
+
+
+class Pending(Generic[T]):
+    """A result that may still be in flight (an async collective); `wait()` returns it.
+
+    Callers start dispatch/combine, do independent work (shared experts), then wait.
+    """
+
+    def __init__(self, finish: Callable[[], T], works: tuple[Any, ...] = ()):
+        self._finish = finish
+        self._works = works
+        self._value: T | None = None
+        self._done = False
+
+    @classmethod
+    def ready(cls, value: T) -> Pending[T]:
+        return cls(lambda: value)
+
+    def wait(self) -> T:
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            self._value = self._finish()
+            self._done = True
+        return self._value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, eq=False)
+class Dispatched:
+    """Tokens delivered to this rank's experts by `dispatch`.
+
+    hidden [R, H]: one row per (token, chosen local expert) pair, sorted by local expert;
+    group_sizes [num_local_experts] int64: rows per local expert (the grouped GEMM's contiguous layout);
+    first_expert: global id of local expert 0. `state` is the backend's bookkeeping for `combine`.
+    """
+
+    hidden: torch.Tensor
+    group_sizes: torch.Tensor
+    first_expert: int
+    state: Any = field(repr=False, default=None)
+
+
+class Backend(ABC):
+    """A device backend. Construct with `device=None` for the backend's default device."""
+
+    name: ClassVar[str]
+    CAPABILITIES: ClassVar[Capabilities]  # what the backend can do at best; listed without instantiating
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> Probe:
+        """Can this backend run here? Never raises; cheap (no kernel compilation)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this instance can do on its device (a backend may narrow CAPABILITIES, e.g. by GPU generation)."""
+        return type(self).CAPABILITIES
+
+    @property
+    def ops(self) -> FusedOps:
+        """Small fused ops; the reference defaults unless the backend accelerates some."""
+        return FusedOps()
+
+    # --- attention over the paged latent cache -------------------------------------------------
+    @abstractmethod
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> torch.Tensor:
+        """One layer's cache tensor of shape spec.shape and dtype spec.torch_dtype on this device."""
+
+    @abstractmethod
+    def plan_attention(self, batch: AttentionBatch, spec: KVCacheSpec) -> AttentionPlan:
+        """Host work once per step: validate the batch and build the device metadata all layers reuse."""
+
+    @abstractmethod
+    def write_cache(self, plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store this step's tokens: c_kv [T, kv_lora_rank] (normalised latent), k_pe [T, rope_dim] (roped)."""
+
+    @abstractmethod
+    def run_attention(
+        self,
+        plan: AttentionPlan,
+        cache: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        softmax_scale: float,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed MLA: q_nope [T, H, kv_lora_rank] (W_UK folded in), q_pe [T, H, rope_dim] (roped).
+
+        Each query attends causally over its sequence's cache; returns out [T, H, kv_lora_rank] in
+        q_nope's dtype (W_UV not applied), and with return_lse the log-sum-exp [T, H] in float32.
+        """
+
+    # --- GEMM -----------------------------------------------------------------------------------
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N] in x's dtype (FP8 weights: x quantised per token per 128 channels)."""
+
+    @abstractmethod
+    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Rows of x [M, K] sorted by group; group g's rows (group_sizes[g] of them) use weight[g] [N, K]."""
+
+    # --- communication --------------------------------------------------------------------------
+    @abstractmethod
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        group: Any = None,
+    ) -> Pending[Dispatched]:
+        """Send each token to the ranks owning its chosen experts (experts split evenly, in order)."""
+
+    @abstractmethod
+    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+        """Return expert outputs [R, H] to their tokens' ranks: out[t] = sum_k weight[t, k] * y[t, k]."""
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Sum x over the ranks of `group` in place (identity in a single process) and return it."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device})"

@@ -1,0 +1,1 @@
+"""DeepSeek V2/V3 model: configuration, checkpoint loading and layers written against backend ops."""

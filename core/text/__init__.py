@@ -1,0 +1,1 @@
+"""Text: tokenizer, chat templates, incremental detokenizer and stream parsers."""

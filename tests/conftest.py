@@ -1,0 +1,45 @@
+"""Shared fixtures: the backends under test and fresh random generators."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def backends_under_test() -> list[str]:
+    """Usable registered backends, narrowed by DEEPINFER_TEST_BACKENDS (comma-separated)."""
+    from deepinfer.registry import list_backends
+
+    usable = [info.name for info in list_backends() if info.usable]
+    wanted = os.environ.get("DEEPINFER_TEST_BACKENDS")
+    if wanted:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        missing = [n for n in names if n not in usable]
+        if missing:
+            raise pytest.UsageError(f"DEEPINFER_TEST_BACKENDS names unusable backends: {missing}; usable: {usable}")
+        return names
+    return usable
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", backends_under_test())
+
+
+@pytest.fixture
+def backend(backend_name):
+    from deepinfer.registry import load_backend
+
+    return load_backend(backend_name)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A generator seeded freshly per test (seed printed on failure through the test id's log)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
