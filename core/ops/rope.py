@@ -82,9 +82,11 @@ class RopeSpec:
 
     def cos_sin_cache(self, max_positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[max_positions, dim] float32: cos of each pair's angle in the first half, sin in the second."""
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq())
-        return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor).to(device)
+        # Angles in float64: position * inv_freq loses ~1e-3 rad in float32 at 100k positions.
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, self.inv_freq().double())
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor
+        return cache.to(device=device, dtype=torch.float32)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:

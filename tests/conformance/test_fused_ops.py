@@ -1,0 +1,201 @@
+"""Fused small ops of every backend (backend.ops) against closed forms and plain loops, in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.errors import InvalidInputError
+from deepinfer.ops import RopeSpec, RoutingSpec, YarnScaling
+
+
+def _randn(gen, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(backend, gen, shape, dtype):
+    x = _randn(gen, *shape, dtype=dtype, device=backend.device)
+    w = _randn(gen, shape[-1], dtype=dtype, device=backend.device)
+    got = backend.ops.rms_norm(x, w, 1e-6)
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    want = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("n", [1, 48, 1407])
+def test_silu_and_mul(backend, gen, n):
+    x = _randn(gen, 5, 2 * n, device=backend.device)
+    got = backend.ops.silu_and_mul(x).double().cpu()
+    g, u = x.double().cpu()[:, :n], x.double().cpu()[:, n:]
+    torch.testing.assert_close(got, g / (1 + torch.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def _closed_form_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool, factor: float):
+    """Rotation of each pair as a complex multiplication, float64."""
+    x = x.double()
+    d = x.shape[-1]
+    if interleaved:
+        pairs = torch.complex(x[..., 0::2], x[..., 1::2])
+    else:
+        pairs = torch.complex(x[..., : d // 2], x[..., d // 2 :])
+    angle = pos.double()[:, None] * inv_freq.double()[None, :]
+    rot = torch.polar(torch.full_like(angle, factor), angle)
+    rot = rot.reshape(rot.shape[0], *([1] * (x.dim() - 2)), rot.shape[-1])
+    out = pairs * rot
+    if interleaved:
+        return torch.stack([out.real, out.imag], dim=-1).flatten(-2)
+    return torch.cat([out.real, out.imag], dim=-1)
+
+
+YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("yarn", [None, YARN, YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.5)])
+@pytest.mark.parametrize("dim,heads", [(64, 16), (8, 1), (16, 3)])
+def test_rope_closed_form(backend, gen, interleaved, yarn, dim, heads):
+    spec = RopeSpec(dim=dim, theta=10000.0, interleaved=interleaved, yarn=yarn)
+    cache = spec.cos_sin_cache(8192, backend.device)
+    t = 11
+    pos = torch.randint(0, 8192, (t,), generator=gen).to(backend.device)
+    x = _randn(gen, t, heads, dim, device=backend.device)
+    got = backend.ops.apply_rope(x, pos, cache, interleaved).double().cpu()
+    want = _closed_form_rope(x.cpu(), pos.cpu(), spec.inv_freq(), interleaved, spec.attention_factor)
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_yarn_inv_freq_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.DeepseekV3Config(
+        qk_rope_head_dim=64, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    spec = RopeSpec(dim=64, theta=10000.0, yarn=YARN)
+    torch.testing.assert_close(spec.inv_freq(), inv_freq.float(), rtol=1e-6, atol=0)
+    assert math.isclose(spec.attention_factor, attention_factor)
+    assert math.isclose(spec.softmax_mscale, (0.1 * math.log(40.0) + 1) ** 2)
+
+
+def _loop_route(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None):
+    """One token at a time, with sorted() instead of topk: an independent statement of DeepSeek's gates."""
+    out = []
+    per_group = spec.num_experts // spec.n_group
+    for row in logits.double().tolist():
+        if spec.scoring_func == "sigmoid":
+            scores = [1 / (1 + math.exp(-v)) for v in row]
+        else:
+            m = max(row)
+            e = [math.exp(v - m) for v in row]
+            scores = [v / sum(e) for v in e]
+        choice = [s + (float(bias[i]) if bias is not None else 0.0) for i, s in enumerate(scores)]
+        allowed = range(spec.num_experts)
+        if spec.topk_method != "greedy" and spec.n_group > 1:
+            groups = []
+            for g in range(spec.n_group):
+                members = sorted(choice[g * per_group:(g + 1) * per_group], reverse=True)
+                groups.append(sum(members[:2]) if spec.topk_method == "noaux_tc" else members[0])
+            keep = sorted(range(spec.n_group), key=lambda g: -groups[g])[: spec.topk_group]
+            allowed = [e for e in range(spec.num_experts) if e // per_group in keep]
+        ids = sorted(allowed, key=lambda e: -choice[e])[: spec.top_k]
+        w = [scores[e] for e in ids]
+        if spec.topk_method == "noaux_tc":
+            if spec.norm_topk_prob:
+                w = [v / sum(w) for v in w]
+            w = [v * spec.routed_scaling_factor for v in w]
+        elif spec.norm_topk_prob and spec.top_k > 1:
+            w = [v / sum(w) for v in w]
+        else:
+            w = [v * spec.routed_scaling_factor for v in w]
+        out.append(dict(zip(ids, w)))
+    return out
+
+
+ROUTINGS = [
+    RoutingSpec(num_experts=256, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5),  # DeepSeek-V3
+    RoutingSpec(num_experts=16, top_k=3, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5),
+    RoutingSpec(num_experts=12, top_k=2, n_group=1, topk_group=1),
+    RoutingSpec(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy", norm_topk_prob=False),  # V2-Lite
+    RoutingSpec(num_experts=160, top_k=6, scoring_func="softmax", topk_method="group_limited_greedy",
+                n_group=8, topk_group=3, routed_scaling_factor=16.0, norm_topk_prob=False),  # V2
+    RoutingSpec(num_experts=8, top_k=4, scoring_func="softmax", topk_method="greedy", norm_topk_prob=True),
+]
+
+
+@pytest.mark.parametrize("spec", ROUTINGS, ids=lambda s: f"{s.topk_method}-E{s.num_experts}-k{s.top_k}-g{s.n_group}")
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_routing_matches_plain_loop(backend, gen, spec, tokens):
+    logits = _randn(gen, tokens, spec.num_experts, device=backend.device) * 3
+    bias = _randn(gen, spec.num_experts, device=backend.device) * 0.5 if spec.topk_method == "noaux_tc" else None
+    weights, ids = backend.ops.select_experts(logits, spec, bias)
+    assert weights.shape == ids.shape == (tokens, spec.top_k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    want = _loop_route(logits.cpu(), spec, None if bias is None else bias.cpu())
+    for t in range(tokens):
+        got = dict(zip(ids[t].tolist(), weights[t].tolist()))
+        assert set(got) == set(want[t]), f"token {t}: experts {sorted(got)} != {sorted(want[t])}"
+        for e, w in want[t].items():
+            assert math.isclose(got[e], w, rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_correction_bias_changes_selection_not_weights(backend, gen):
+    spec = RoutingSpec(num_experts=16, top_k=2, n_group=1, topk_group=1, norm_topk_prob=False)
+    logits = _randn(gen, 4, 16, device=backend.device)
+    bias = torch.full((16,), -10.0, device=backend.device)
+    bias[5] = bias[11] = 10.0  # force the selection
+    weights, ids = backend.ops.select_experts(logits, spec, bias)
+    assert sorted(ids[0].tolist()) == [5, 11]
+    torch.testing.assert_close(weights, torch.sigmoid(logits).gather(1, ids))
+
+
+@pytest.mark.parametrize("k", [128, 200, 7168])
+def test_activation_fp8_quantisation(backend, gen, k):
+    x = _randn(gen, 6, k, device=backend.device) * 5
+    q, scale = backend.ops.quantize_fp8_per_token_group(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, -(-k // 128))
+    deq = (q.float() * scale.repeat_interleave(128, dim=-1)[:, :k]).cpu()
+    # E4M3 has 3 mantissa bits: relative error <= 2^-4 of each group's scale * 448 range
+    err = (deq - x.cpu()).abs()
+    bound = scale.cpu().repeat_interleave(128, dim=-1)[:, :k] * 448 * 2.0**-4
+    assert bool((err <= bound + 1e-12).all())
+    groups = x.cpu().abs()
+    for g in range(scale.shape[1]):
+        amax = groups[:, g * 128:(g + 1) * 128].amax(dim=-1)
+        torch.testing.assert_close(scale[:, g].cpu(), amax / 448)
+
+
+def test_bad_inputs_raise(backend, gen):
+    dev = backend.device
+    x = _randn(gen, 4, 8, device=dev)
+    with pytest.raises(InvalidInputError, match="weight"):
+        backend.ops.rms_norm(x, torch.ones(7, device=dev), 1e-6)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        backend.ops.rms_norm(torch.ones(4, 8, dtype=torch.int64, device=dev), torch.ones(8, device=dev), 1e-6)
+    with pytest.raises(InvalidInputError, match="even"):
+        backend.ops.silu_and_mul(_randn(gen, 4, 7, device=dev))
+    cache = RopeSpec(dim=8, theta=10000.0).cos_sin_cache(16, dev)
+    with pytest.raises(InvalidInputError, match="positions"):
+        backend.ops.apply_rope(x, torch.tensor([0, 1, 2, 99], device=dev), cache, True)
+    with pytest.raises(InvalidInputError, match="positions"):
+        backend.ops.apply_rope(x, torch.tensor([0, 1, 2], device=dev), cache, True)
+    with pytest.raises(InvalidInputError, match="cos_sin_cache"):
+        backend.ops.apply_rope(_randn(gen, 4, 2, 6, device=dev), torch.arange(4, device=dev), cache, True)
+    spec = RoutingSpec(num_experts=8, top_k=2)
+    with pytest.raises(InvalidInputError, match="router_logits"):
+        backend.ops.select_experts(_randn(gen, 3, 9, device=dev), spec)
+    with pytest.raises(InvalidInputError, match="n_group"):
+        RoutingSpec(num_experts=10, top_k=2, n_group=3)
+    with pytest.raises(InvalidInputError, match="top_k"):
+        RoutingSpec(num_experts=8, top_k=9)
+    with pytest.raises(InvalidInputError, match="scoring_func"):
+        RoutingSpec(num_experts=8, top_k=2, scoring_func="relu")
