@@ -19,12 +19,14 @@ from deepinfer.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__", "list_backends", "load_backend", "Backend",
+    "__version__", "LLM", "SamplingParams", "list_backends", "load_backend", "Backend",
     "DeepInferError", "InvalidInputError", "BackendNotFoundError", "BackendUnavailableError",
     "ConfigError", "CheckpointError",
 ]
 
 _LAZY = {
+    "LLM": ("deepinfer.llm", "LLM"),
+    "SamplingParams": ("deepinfer.engine.sampling_params", "SamplingParams"),
     "list_backends": ("deepinfer.registry", "list_backends"),
     "load_backend": ("deepinfer.registry", "load_backend"),
     "Backend": ("deepinfer.backend", "Backend"),
@@ -32,6 +34,8 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from deepinfer.backend import Backend
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.llm import LLM
     from deepinfer.registry import list_backends, load_backend
 
 

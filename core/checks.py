@@ -1,6 +1,7 @@
 """Argument checks for backend ops: raise InvalidInputError with a message naming the argument.
 
-Ops are called per layer, so these checks only look at metadata (dtype, shape, device), never at values.
+Ops are called per layer, so these checks look at metadata (dtype, shape, device); value checks that need a
+device-to-host copy (expert ids, group sizes) are left to the reference backend.
 """
 
 from __future__ import annotations

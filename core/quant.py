@@ -60,7 +60,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK) -> tup
     """[..., K] activations -> (float8_e4m3fn [..., K], fp32 scales [..., ceil(K/group)]); x ~= q * scale."""
     k = x.shape[-1]
     xp = _pad_to(x.float(), -1, group)
-    g = xp.reshape(*xp.shape[:-1], -1, group)
+    g = xp.reshape(*xp.shape[:-1], xp.shape[-1] // group, group)
     scale = g.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(xp.shape)[..., :k].to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
@@ -89,7 +89,7 @@ def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     lead = w.shape[:-2]
     amax = w.abs().flatten(-2).amax(dim=-1).clamp(min=1e-12)  # [...]
     global_scale = amax / (FP4_MAX * FP8_MAX)
-    blocks = w.reshape(*w.shape[:-1], -1, NVFP4_BLOCK)
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
     gs = global_scale.reshape(*lead, 1, 1)
     block_scale = (block_amax / FP4_MAX / gs).clamp(max=FP8_MAX).to(FP8_DTYPE)

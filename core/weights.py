@@ -53,8 +53,10 @@ class LinearWeight:
 
     @classmethod
     def fp8_block(cls, weight: torch.Tensor, scale_inv: torch.Tensor) -> LinearWeight:
-        if weight.dtype != quant.FP8_DTYPE:
-            raise InvalidInputError(f"fp8 weight must be float8_e4m3fn, got {weight.dtype}")
+        if weight.dtype != quant.FP8_DTYPE or weight.dim() not in (2, 3):
+            raise InvalidInputError(f"fp8 weight must be a 2-D or 3-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+        if not scale_inv.is_floating_point() or scale_inv.device != weight.device:
+            raise InvalidInputError(f"weight_scale_inv must be a float tensor on {weight.device}, got {scale_inv.dtype} on {scale_inv.device}")
         n, k = weight.shape[-2:]
         want = (*weight.shape[:-2], quant.cdiv(n, quant.FP8_BLOCK), quant.cdiv(k, quant.FP8_BLOCK))
         if tuple(scale_inv.shape) != want:
@@ -64,6 +66,8 @@ class LinearWeight:
     @classmethod
     def nvfp4(cls, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor, in_features: int) -> LinearWeight:
         kb = quant.cdiv(in_features, quant.NVFP4_BLOCK)
+        if packed.dim() not in (2, 3):
+            raise InvalidInputError(f"nvfp4 data must be 2-D or 3-D, got shape {tuple(packed.shape)}")
         if packed.dtype != torch.uint8 or packed.shape[-1] != kb * quant.NVFP4_BLOCK // 2:
             raise InvalidInputError(f"nvfp4 data must be uint8 [..., N, {kb * 8}], got {packed.dtype} {tuple(packed.shape)}")
         if block_scale.dtype != quant.FP8_DTYPE or tuple(block_scale.shape) != (*packed.shape[:-1], kb):
@@ -75,7 +79,10 @@ class LinearWeight:
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: WeightFormat | str) -> LinearWeight:
         """Quantise a float weight into `fmt` (load-time `precision=` conversion)."""
-        fmt = WeightFormat(fmt)
+        try:
+            fmt = WeightFormat(fmt)
+        except ValueError:
+            raise InvalidInputError(f"unknown weight format {fmt!r}; expected one of {[f.value for f in WeightFormat]}") from None
         if fmt is WeightFormat.DENSE:
             return cls.dense(weight)
         if fmt is WeightFormat.FP8_BLOCK:

@@ -95,7 +95,7 @@ def _weighted_sum(state: _State, rows: torch.Tensor) -> torch.Tensor:
     t, k = state.topk_weights.shape
     y = torch.empty(t * k, rows.shape[1], dtype=torch.float32, device=rows.device)
     y.index_copy_(0, state.order, rows.float())
-    out = (y.view(t, k, -1) * state.topk_weights.float()[..., None]).sum(1)
+    out = (y.view(t, k, rows.shape[1]) * state.topk_weights.float()[..., None]).sum(1)
     return out.to(state.out_dtype)
 
 

@@ -45,6 +45,8 @@ def _fp8_matmul(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     b = quant.FP8_BLOCK
     m, k = x.shape
     n = weight.out_features
+    if m == 0:  # quantize_fp8_per_token_group cannot reshape an empty batch
+        return torch.empty(0, n, dtype=torch.float32, device=x.device)
     kb = quant.cdiv(k, b)
     xq, xs = quant.quantize_fp8_per_token_group(x, b)  # [M, K] e4m3, [M, KB] fp32
     # Zero padding of K to whole blocks adds nothing to any block's partial product.

@@ -1,0 +1,1 @@
+"""Engine: requests, sampling, the model runner and the generation loop."""

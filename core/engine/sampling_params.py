@@ -1,0 +1,54 @@
+"""SamplingParams: how to pick each next token and when to stop (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.errors import InvalidInputError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 or -1 disables top-k; logprobs=N returns the sampled token's
+    log-probability plus the N most likely (prompt_logprobs likewise for every prompt token but the first)."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InvalidInputError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidInputError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidInputError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidInputError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidInputError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidInputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidInputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidInputError(f"n must be a positive integer, got {self.n!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

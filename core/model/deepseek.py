@@ -1,0 +1,124 @@
+"""DeepSeek V2/V3 (and R1) written against backend ops: embedding, decoder layers, final norm, lm_head, MTP.
+
+Layers are built from per-layer dicts of already-converted weights (see deepinfer.model.loader) whose keys
+are HF names relative to the layer, e.g. "self_attn.kv_b_proj.weight".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend import Backend
+from deepinfer.config import ModelConfig
+from deepinfer.model.context import ForwardContext
+from deepinfer.model.mla import MLAttention
+from deepinfer.model.mlp import GatedMLP, stack_experts
+from deepinfer.model.moe import MoE
+from deepinfer.weights import LinearWeight
+
+Weights = dict[str, object]
+
+
+def _sub(weights: Weights, prefix: str) -> Weights:
+    """Entries under `prefix.` with the prefix and a trailing '.weight' removed."""
+    out = {}
+    for name, value in weights.items():
+        if name.startswith(prefix + "."):
+            key = name[len(prefix) + 1 :]
+            out[key.removesuffix(".weight")] = value
+    return out
+
+
+class DecoderLayer:
+    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor):
+        self.backend = backend
+        self.index = index
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = weights["input_layernorm.weight"]
+        self.post_attention_layernorm = weights["post_attention_layernorm.weight"]
+        self.self_attn = MLAttention(backend, config, _sub(weights, "self_attn"), cos_sin_cache)
+        self.mlp: GatedMLP | MoE = (
+            self._build_moe(backend, config, _sub(weights, "mlp"))
+            if config.is_moe_layer(index)
+            else self._build_mlp(backend, _sub(weights, "mlp"))
+        )
+
+    @staticmethod
+    def _build_mlp(backend: Backend, w: Weights) -> GatedMLP:
+        return GatedMLP(backend, w["gate_proj"], w["up_proj"], w["down_proj"])
+
+    @classmethod
+    def _build_moe(cls, backend: Backend, config: ModelConfig, w: Weights) -> MoE:
+        n = config.n_routed_experts
+        stacked = {p: stack_experts([w[f"experts.{e}.{p}"] for e in range(n)]) for p in ("gate_proj", "up_proj", "down_proj")}
+        experts = GatedMLP(backend, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
+        shared = cls._build_mlp(backend, _sub(w, "shared_experts")) if config.n_shared_experts else None
+        return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        ops = self.backend.ops
+        h = x + self.self_attn.forward(ops.rms_norm(x, self.input_layernorm, self.eps), ctx, self.index)
+        return h + self.mlp.forward(ops.rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class MTPLayer:
+    """DeepSeek-V3 multi-token prediction module k: from the hidden state at position i and token i+1,
+    predict token i+2 (then i+3 with the next module or by running this one autoregressively)."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor):
+        self.backend = backend
+        self.eps = config.rms_norm_eps
+        self.enorm = weights["enorm.weight"]
+        self.hnorm = weights["hnorm.weight"]
+        self.eh_proj = weights["eh_proj.weight"]
+        self.block = DecoderLayer(backend, config, index, weights, cos_sin_cache)
+        self.head_norm = weights["shared_head.norm.weight"]
+        self.head = LinearWeight.dense(weights["shared_head.head.weight"])
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        ops = self.backend.ops
+        x = torch.cat([ops.rms_norm(embeds, self.enorm, self.eps), ops.rms_norm(hidden, self.hnorm, self.eps)], dim=-1)
+        return self.block.forward(self.backend.linear(x, self.eh_proj), ctx)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.backend.ops.rms_norm(hidden, self.head_norm, self.eps)
+        return self.backend.linear(normed, self.head).float()
+
+
+class DeepseekModel:
+    def __init__(self, backend: Backend, config: ModelConfig, top: Weights, layers: list[DecoderLayer], mtp: list[MTPLayer]):
+        """top: the non-layer tensors by full HF name (embed_tokens, norm, lm_head unless tied)."""
+        self.backend = backend
+        self.config = config
+        self.embed_tokens: torch.Tensor = top["model.embed_tokens.weight"]
+        self.norm = top["model.norm.weight"]
+        lm_head = top.get("lm_head.weight")
+        self.lm_head = LinearWeight.dense(lm_head if lm_head is not None else self.embed_tokens)  # tied embeddings
+        self.layers = layers
+        self.mtp = mtp
+
+    @property
+    def num_cache_layers(self) -> int:
+        return len(self.layers) + len(self.mtp)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.index_select(0, input_ids)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, hidden]."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer.forward(x, ctx)
+        return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> float32 logits [T, vocab]."""
+        return self.backend.linear(hidden, self.lm_head).float()
+
+    def forward_mtp(self, k: int, next_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """MTP module k on (hidden at position i, token i+1) -> its hidden state for predicting token i+2.
+
+        `hidden` is the target model's final-normed hidden state (vLLM and SGLang feed the same), or the
+        previous MTP step's output when drafting autoregressively.
+        """
+        return self.mtp[k].forward(self.embed(next_ids), hidden, ctx)

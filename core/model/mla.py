@@ -1,0 +1,83 @@
+"""Multi-head Latent Attention in absorbed form over the paged latent cache.
+
+Per token the cache holds c_kv = RMSNorm(W_DKV x) (kv_lora_rank values) and the roped shared key k_pe.
+kv_b_proj = [W_UK; W_UV] per head is folded: scores use q_nope @ W_UK (a query in latent space) and the
+latent attention output is mapped back with W_UV, so keys and values are never decompressed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend import Backend
+from deepinfer.config import ModelConfig
+from deepinfer.model.context import ForwardContext
+from deepinfer.weights import LinearWeight
+
+
+class MLAttention:
+    def __init__(self, backend: Backend, config: ModelConfig, weights: dict, cos_sin_cache: torch.Tensor):
+        """weights: this layer's self_attn tensors keyed by HF name without prefix and '.weight'."""
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.eps = config.rms_norm_eps
+        self.softmax_scale = config.softmax_scale
+        self.rope_interleaved = config.rope_spec().interleaved
+        self.cos_sin_cache = cos_sin_cache
+        if self.q_lora_rank is None:
+            self.q_proj = weights["q_proj"]
+        else:
+            self.q_a_proj = weights["q_a_proj"]
+            self.q_a_layernorm = weights["q_a_layernorm"]
+            self.q_b_proj = weights["q_b_proj"]
+        self.kv_a_proj_with_mqa = weights["kv_a_proj_with_mqa"]
+        self.kv_a_layernorm = weights["kv_a_layernorm"]
+        self.o_proj = weights["o_proj"]
+        # kv_b_proj [H * (nope + v), kv_lora_rank] split per head into the absorbed GEMMs' stacked weights:
+        # W_UK^T [H, kv_lora_rank, nope] maps q_nope into latent space; W_UV [H, v, kv_lora_rank] maps back.
+        kv_b = weights["kv_b_proj"]
+        kv_b = (kv_b.dequantize() if isinstance(kv_b, LinearWeight) else kv_b.float()).view(
+            self.num_heads, self.nope + self.v_dim, self.kv_lora_rank
+        )
+        dtype = self.kv_a_layernorm.dtype  # the model's activation dtype
+        self.w_uk_t = LinearWeight.dense(kv_b[:, : self.nope, :].transpose(1, 2).contiguous().to(dtype))
+        self.w_uv = LinearWeight.dense(kv_b[:, self.nope :, :].contiguous().to(dtype))
+        self._head_groups: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _per_head(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        """[T, H, K] @ weight[h]^T for each head h -> [T, H, N], as one grouped GEMM with heads as groups."""
+        t, h, k = x.shape
+        key = (t, x.device)
+        sizes = self._head_groups.get(key)
+        if sizes is None:
+            sizes = self._head_groups[key] = torch.full((h,), t, dtype=torch.int64, device=x.device)
+            if len(self._head_groups) > 64:  # bounded: shapes vary per step
+                self._head_groups = {key: sizes}
+        out = self.backend.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes)
+        return out.view(h, t, -1).transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+        be, ops = self.backend, self.backend.ops
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = be.linear(x, self.q_proj)
+        else:
+            q = be.linear(ops.rms_norm(be.linear(x, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj)
+        q = q.view(t, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        kv = be.linear(x, self.kv_a_proj_with_mqa)
+        c_kv = ops.rms_norm(kv[:, : self.kv_lora_rank], self.kv_a_layernorm, self.eps)
+        k_pe = kv[:, self.kv_lora_rank :]
+        positions = ctx.positions
+        q_pe = ops.apply_rope(q_pe.contiguous(), positions, self.cos_sin_cache, self.rope_interleaved)
+        k_pe = ops.apply_rope(k_pe.contiguous(), positions, self.cos_sin_cache, self.rope_interleaved)
+
+        cache = ctx.kv_caches[layer]
+        be.write_cache(ctx.plan, cache, c_kv, k_pe)
+        q_latent = self._per_head(q_nope, self.w_uk_t)
+        out_latent = be.run_attention(ctx.plan, cache, q_latent, q_pe, self.softmax_scale)
+        out = self._per_head(out_latent, self.w_uv)
+        return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)

@@ -1,0 +1,165 @@
+"""linear / grouped_linear of every usable backend against float64 math on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import quant
+from deepinfer.errors import InvalidInputError
+from deepinfer.weights import LinearWeight
+
+SHAPES = [(1, 200, 136), (33, 200, 136), (7, 128, 128), (16, 384, 256), (5, 17, 3), (2, 1, 1), (40, 300, 130)]  # (M, K, N)
+FORMATS = ["dense", "fp8_block", "nvfp4"]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error relative to the output's largest magnitude (both brought to float64 on the CPU)."""
+    out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
+    assert out.shape == ref.shape
+    return ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item() if ref.numel() else 0.0
+
+
+def _norm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def _quant_x_ref(x: torch.Tensor) -> torch.Tensor:
+    """x as the FP8 path sees it: quantised per token per 128 channels, dequantised, float64."""
+    return quant.dequantize_fp8_per_token_group(*quant.quantize_fp8_per_token_group(x.cpu())).double()
+
+
+def _reference(x: torch.Tensor, lw: LinearWeight) -> torch.Tensor:
+    """Exact float64 product of what the format defines: quantised activations for FP8, raw ones otherwise."""
+    xr = _quant_x_ref(x) if lw.format.value == "fp8_block" else x.cpu().double()
+    return xr @ lw.to(torch.device("cpu")).dequantize().double().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_linear_matches_float64(backend, gen, fmt, m, k, n):
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    lw = LinearWeight.quantize(w, fmt).to(backend.device)
+    out = backend.linear(x.to(backend.device), lw)
+    assert out.shape == (m, n) and out.dtype == torch.float32 and out.device.type == backend.device.type
+    assert _rel_err(out, _reference(x, lw)) < 1e-5
+    if fmt == "fp8_block":  # against the unquantised product, within FP8's precision
+        exact = x.double() @ w.double().t()
+        # e4m3 rounds x and w each to within 2^-4 relatively (plus a subnormal floor per 128-block scale).
+        floor = 2.0**-10 * (x.abs().max() * w.abs().sum(1).max() + w.abs().max() * x.abs().sum(1).max()) / 448
+        assert ((out.cpu().double() - exact).abs() <= (x.abs().double() @ w.abs().double().t()) * 0.13 + floor).all()
+        if k >= 128:  # enough terms for the rounding errors to average out
+            assert _norm_err(out, exact) < 5e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_bf16_input_and_leading_dims(backend, gen, fmt):
+    x = torch.randn(2, 3, 200, generator=gen).bfloat16()
+    lw = LinearWeight.quantize(torch.randn(136, 200, generator=gen).bfloat16(), fmt).to(backend.device)
+    out = backend.linear(x.to(backend.device), lw)
+    assert out.shape == (2, 3, 136) and out.dtype == torch.bfloat16
+    # Only the final rounding to bf16 separates the output from the exact product.
+    ref = _reference(x.reshape(6, 200).float(), lw).reshape(2, 3, 136)
+    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_empty_batch(backend, gen, fmt):
+    lw = LinearWeight.quantize(torch.randn(136, 200, generator=gen), fmt).to(backend.device)
+    out = backend.linear(torch.randn(0, 200, generator=gen).to(backend.device), lw)
+    assert out.shape == (0, 136) and out.dtype == torch.float32
+
+
+def test_linear_fp16_dense_weight(backend, gen):
+    x = torch.randn(9, 130, generator=gen).half()
+    w = torch.randn(70, 130, generator=gen).half()
+    out = backend.linear(x.to(backend.device), LinearWeight.dense(w.to(backend.device)))
+    assert out.dtype == torch.float16
+    assert _rel_err(out, x.double() @ w.double().t()) < 2e-3
+
+
+def _grouped_reference(x: torch.Tensor, lw: LinearWeight, sizes: list[int]) -> torch.Tensor:
+    outs, start = [], 0
+    w = lw.to(torch.device("cpu"))
+    for g, size in enumerate(sizes):
+        xg = x[start : start + size]
+        start += size
+        if size:  # (the core quantiser cannot take an empty batch)
+            xr = _quant_x_ref(xg) if w.format.value == "fp8_block" else xg.double()
+            outs.append(xr @ w.dequantize()[g].double().t())
+    return torch.cat(outs) if outs else torch.zeros(0, w.out_features, dtype=torch.float64)
+
+
+GROUPINGS = [[3, 0, 5, 1], [0, 0, 9, 0], [1], [0, 4, 0, 0, 2, 7], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("sizes", GROUPINGS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("k,n", [(200, 136), (128, 64), (33, 17)])
+def test_grouped_linear_matches_per_group_loop(backend, gen, fmt, sizes, k, n):
+    e, m = len(sizes), sum(sizes)
+    x = torch.randn(m, k, generator=gen)
+    lw = LinearWeight.quantize(torch.randn(e, n, k, generator=gen) / k**0.5, fmt).to(backend.device)
+    group_sizes = torch.tensor(sizes, dtype=torch.int64, device=backend.device)
+    out = backend.grouped_linear(x.to(backend.device), lw, group_sizes)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert _rel_err(out, _grouped_reference(x, lw, sizes)) < 1e-5
+    # The same rows through linear, one expert at a time: identical semantics.
+    start = 0
+    for g, size in enumerate(sizes):
+        if size:
+            single = backend.linear(x[start : start + size].to(backend.device), _expert(lw, g))
+            assert _rel_err(out[start : start + size], single) < 1e-5
+        start += size
+
+
+def _expert(lw: LinearWeight, g: int) -> LinearWeight:
+    if lw.format.value == "dense":
+        return LinearWeight.dense(lw.data[g])
+    if lw.format.value == "fp8_block":
+        return LinearWeight.fp8_block(lw.data[g], lw.scale[g])
+    return LinearWeight.nvfp4(lw.data[g], lw.scale[g], lw.global_scale[g], lw.in_features)
+
+
+def test_grouped_linear_bf16_int32_sizes(backend, gen):
+    sizes = [2, 0, 3]
+    x = torch.randn(5, 200, generator=gen).bfloat16()
+    lw = LinearWeight.quantize(torch.randn(3, 136, 200, generator=gen) / 15, "fp8_block").to(backend.device)
+    out = backend.grouped_linear(x.to(backend.device), lw, torch.tensor(sizes, dtype=torch.int32, device=backend.device))
+    assert out.dtype == torch.bfloat16
+    ref = _grouped_reference(x.float(), lw, sizes)
+    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()).all()
+
+
+def test_gemm_rejects_bad_inputs(backend, gen):
+    dev = backend.device
+    x = torch.randn(4, 200, generator=gen).to(dev)
+    w2 = LinearWeight.quantize(torch.randn(136, 200, generator=gen), "fp8_block").to(dev)
+    w3 = LinearWeight.dense(torch.randn(3, 136, 200, generator=gen).to(dev))
+    sizes = lambda v, dtype=torch.int64: torch.tensor(v, dtype=dtype, device=dev)  # noqa: E731
+    bad = [
+        lambda: backend.linear(x[:, :199], w2),  # wrong K
+        lambda: backend.linear(x.to(torch.int32), w2),
+        lambda: backend.linear(x.to(quant.FP8_DTYPE), w2),
+        lambda: backend.linear(x, w3),  # stacked weight
+        lambda: backend.linear(x, torch.randn(136, 200)),  # not a LinearWeight
+        lambda: backend.grouped_linear(x, w3, sizes([1, 1, 1])),  # sums to 3, not 4
+        lambda: backend.grouped_linear(x, w3, sizes([5, -1, 0])),  # negative
+        lambda: backend.grouped_linear(x, w3, sizes([4, 0])),  # wrong length
+        lambda: backend.grouped_linear(x, w3, sizes([2, 2, 0], torch.float32)),
+        lambda: backend.grouped_linear(x, w3, sizes([[2, 2, 0]])),  # 2-D sizes
+        lambda: backend.grouped_linear(x, w2, sizes([4])),  # 2-D weight
+        lambda: backend.grouped_linear(x[:, :100], w3, sizes([2, 2, 0])),  # wrong K
+        lambda: backend.grouped_linear(x[None], w3, sizes([2, 2, 0])),  # 3-D x
+        lambda: backend.grouped_linear(x.to(torch.int64), w3, sizes([2, 2, 0])),
+    ]
+    if dev.type != "cpu":
+        bad.append(lambda: backend.linear(x.cpu(), w2))  # device mismatch
+    else:
+        bad.append(lambda: backend.linear(x.to("meta"), w2))
+    for i, call in enumerate(bad):
+        with pytest.raises(InvalidInputError):
+            call()
+            pytest.fail(f"bad input #{i} was accepted")
