@@ -119,6 +119,8 @@ class AttentionBatch:
             for b in table[:need]:
                 if not 0 <= b < spec.num_blocks:
                     raise InvalidInputError(f"sequence {i}: block id {b} is out of range [0, {spec.num_blocks})")
+            if len(set(table[:need])) != need:
+                raise InvalidInputError(f"sequence {i}: block table repeats a block id: {list(table[:need])}")
 
 
 @dataclass(frozen=True, eq=False)

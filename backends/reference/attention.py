@@ -17,12 +17,12 @@ import math
 import torch
 
 from deepinfer.attention import AttentionPlan, KVCacheSpec
-from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.checks import FLOAT_DTYPES, check_tensor, same_device
 from deepinfer.errors import InvalidInputError
 from deepinfer.quant import FP8_DTYPE, cdiv, dequantize_fp8_per_token_group, quantize_fp8_per_token_group
 
 # Upper bound on score elements (heads x queries x keys) held at once: long prefills are split by query.
-_SCORE_BUDGET = 1 << 25
+_SCORE_BUDGET = 1 << 22
 
 
 # --- cache row encoding ------------------------------------------------------------------------------
@@ -64,7 +64,8 @@ def _check_plan_and_cache(plan: AttentionPlan, cache: torch.Tensor) -> KVCacheSp
             f"KVCacheSpec needs shape {list(spec.shape)} and dtype {str(spec.torch_dtype).removeprefix('torch.')} "
             f"({spec.dtype} cache)"
         )
-    check_tensor("plan.slot_mapping", plan.slot_mapping, device=cache.device)  # plan built for another device
+    if not same_device(plan.slot_mapping.device, cache.device):
+        raise InvalidInputError(f"the plan was built for {plan.slot_mapping.device} but cache is on {cache.device}")
     return spec
 
 
