@@ -186,4 +186,4 @@ def _load_tokenizer(path: Path):
         return None
     from deepinfer.text.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(path)
+    return Tokenizer.from_folder(path)

@@ -7,10 +7,20 @@ Triton is imported only where a kernel is launched, never here: listing backends
 
 from __future__ import annotations
 
+import importlib.util
+
 from deepinfer.backend import Capabilities, Probe
 from deepinfer.backends.reference import ReferenceBackend
 
 MIN_CAPABILITY = (9, 0)
+INTERPRETER_ENV = "TRITON_INTERPRET"
+
+
+def triton_interpreter_requested() -> bool:
+    """TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors: how CI exercises them without a GPU."""
+    import os
+
+    return os.environ.get(INTERPRETER_ENV, "") not in ("", "0")
 
 
 class CudaSM100Backend(ReferenceBackend):
@@ -23,12 +33,25 @@ class CudaSM100Backend(ReferenceBackend):
     )
     DEFAULT_DEVICE = "cuda"
 
+    def __init__(self, device=None):
+        if device is None:
+            device = "cuda" if not triton_interpreter_requested() or self._cuda_available() else "cpu"
+        super().__init__(device)
+
+    @staticmethod
+    def _cuda_available() -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
     @classmethod
     def probe(cls) -> Probe:
         try:
             import torch
 
             if not torch.cuda.is_available():
+                if triton_interpreter_requested() and importlib.util.find_spec("triton") is not None:
+                    return Probe(True, "no GPU: Triton interpreter on CPU (TRITON_INTERPRET=1), for testing only", "cpu")
                 return Probe(False, "no CUDA device visible to torch (torch.cuda.is_available() is False)")
             best = None
             for index in range(torch.cuda.device_count()):
