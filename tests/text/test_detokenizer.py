@@ -71,7 +71,8 @@ def text_ids_and_cuts(draw, tokenizer):
     pieces = draw(
         st.lists(
             st.one_of(
-                st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=4),
+                # U+FFFD itself is excluded: the check below reads it as a half-shown character.
+                st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\ufffd"), min_size=1, max_size=4),
                 st.sampled_from(["中", "😀", "é", "👍🏽", BOS, EOS, THINK_START, THINK_END, TOOL_CALL_BEGIN]),
             ),
             max_size=12,
