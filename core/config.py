@@ -348,3 +348,36 @@ def _describe_validation_error(err: ValidationError, model_type: Any, prefix: st
             lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
     head = f"invalid {model_type} config" if model_type else "invalid config"
     return f"{head}: " + "; ".join(lines)
+
+
+class EngineConfig(BaseModel):
+    """How the engine runs a model: backend, precision, batch limits and the paged latent cache's size.
+
+    The cache holds `kv_cache_memory` bytes when set, else `kv_cache_fraction` of the device's free memory
+    after the weights are loaded (of available host memory on the CPU).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    backend: str | None = None
+    precision: Literal["bf16", "fp8", "fp4"] | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: int = Field(default=4096, gt=0)
+    block_size: int = Field(default=64, gt=0)
+    kv_cache_memory: int | None = Field(default=None, gt=0)
+    kv_cache_fraction: float = Field(default=0.9, gt=0, le=1)
+    kv_cache_dtype: Literal["bf16", "fp16", "fp32", "fp8_e4m3"] | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    batch_invariant: bool = False
+    load_mtp: bool = True
+    progress: bool = True
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(_describe_validation_error(err, None, prefix="engine.")) from None

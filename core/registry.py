@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from stevedore import DriverManager, ExtensionManager
 
@@ -95,8 +96,10 @@ def resolve_backend_name(name: str | None = None) -> str:
     return "reference"
 
 
-def load_backend(name: str | None = None, device: str | None = None) -> Backend:
-    """Instantiate the selected backend, failing loudly with the probe's reason and the usable ones."""
+def load_backend(name: str | None = None, device: str | None = None, **options: Any) -> Backend:
+    """Instantiate the selected backend, failing loudly with the probe's reason and the usable ones.
+
+    `options` go to the backend's constructor (e.g. batch_invariant=True)."""
     resolved = resolve_backend_name(name)
     cls = backend_class(resolved)
     probe = _probe(cls)
@@ -105,4 +108,6 @@ def load_backend(name: str | None = None, device: str | None = None) -> Backend:
         raise BackendUnavailableError(
             f"backend {resolved!r} is not usable here: {probe.reason}; usable backends: {', '.join(usable) or '(none)'}"
         )
-    return cls(device=device) if device is not None else cls()
+    if device is not None:
+        options["device"] = device
+    return cls(**options)

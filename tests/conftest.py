@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Shared test helpers (tiny checkpoints made with transformers) importable from every test folder.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+# The test models are tiny: intra-op threads cost more than they give (20x slower seen on 2 busy cores).
+torch.set_num_threads(1)
 
 # Without a GPU, run the cuda_sm100 Triton kernels on CPU tensors under the Triton interpreter, so the
 # conformance suite covers them in CI. Must be set before triton is first imported.

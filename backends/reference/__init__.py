@@ -5,6 +5,7 @@ It is the golden implementation every other backend is tested against, so it fav
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,8 +27,13 @@ class ReferenceBackend(Backend):
     )
     DEFAULT_DEVICE = "cpu"
 
-    def __init__(self, device: str | torch.device | None = None):
+    def __init__(self, device: str | torch.device | None = None, batch_invariant: bool | None = None):
+        """batch_invariant (default: $DEEPINFER_BATCH_INVARIANT): every row's reductions run alone, in a fixed
+        order, so a request's results do not depend on what else is in the batch."""
         self._device = torch.device(device if device is not None else self.DEFAULT_DEVICE)
+        if batch_invariant is None:
+            batch_invariant = os.environ.get("DEEPINFER_BATCH_INVARIANT", "0") not in ("", "0")
+        self.batch_invariant = batch_invariant
 
     @classmethod
     def probe(cls) -> Probe:
@@ -47,13 +53,13 @@ class ReferenceBackend(Backend):
         attention.write_cache(plan, cache, c_kv, k_pe)
 
     def run_attention(self, plan, cache, q_nope, q_pe, softmax_scale, return_lse=False):
-        return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse)
+        return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse, self.batch_invariant)
 
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        return gemm.linear(x, weight)
+        return gemm.linear(x, weight, self.batch_invariant)
 
     def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
-        return gemm.grouped_linear(x, weight, group_sizes)
+        return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None) -> Pending[Dispatched]:
         return comm.dispatch(x, topk_ids, topk_weights, num_experts, group)

@@ -100,8 +100,13 @@ def run_attention(
     q_pe: torch.Tensor,
     softmax_scale: float,
     return_lse: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA: out [T, H, kv_lora_rank] in q_nope's dtype (and lse [T, H] float32 if asked)."""
+    """Absorbed MLA: out [T, H, kv_lora_rank] in q_nope's dtype (and lse [T, H] float32 if asked).
+
+    batch_invariant: each query is computed alone over exactly the keys it sees, so its reductions have the
+    same length and order whatever chunk of the prompt or batch it arrives in.
+    """
     spec = _check_plan_and_cache(plan, cache)
     _check_tokens("q_nope", q_nope, 3, plan, cache)
     _check_tokens("q_pe", q_pe, 3, plan, cache)
@@ -122,6 +127,17 @@ def run_attention(
         blocks = plan.block_table[i, : cdiv(slen, spec.block_size)].long()
         c_kv, k_pe = decode_rows(spec, cache[blocks].reshape(-1, spec.entry_size)[:slen])
         key_pos = torch.arange(slen, device=device)
+        if batch_invariant:
+            for j in range(qlen):
+                t, visible = start + j, slen - qlen + j + 1
+                scores = torch.einsum("hr,kr->hk", q_nope[t].float(), c_kv[:visible])
+                scores += torch.einsum("hp,kp->hk", q_pe[t].float(), k_pe[:visible])
+                scores *= softmax_scale
+                row_lse = torch.logsumexp(scores, dim=-1)
+                out[t] = (torch.exp(scores - row_lse[:, None]) @ c_kv[:visible]).to(q_nope.dtype)
+                lse[t] = row_lse
+            start += qlen
+            continue
         chunk = max(1, _SCORE_BUDGET // (heads * slen))
         for q0 in range(0, qlen, chunk):
             q1 = min(qlen, q0 + chunk)

@@ -61,8 +61,14 @@ def _fp8_matmul(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     return out
 
 
-def _matmul(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-    """x [M, K] @ one 2-D weight^T -> [M, N] float32."""
+def _matmul(x: torch.Tensor, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
+    """x [M, K] @ one 2-D weight^T -> [M, N] float32.
+
+    row_wise (batch-invariant mode): one GEMV per row, so a row's reduction never depends on how many
+    other rows share the call (BLAS picks kernels and blockings by M).
+    """
+    if row_wise and x.shape[0] > 1:
+        return torch.cat([_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
     if weight.format is WeightFormat.FP8_BLOCK:
         return _fp8_matmul(x, weight)
     # Dense, and NVFP4 weight-only: activations stay in float, the weight is dequantised.
@@ -75,15 +81,15 @@ def _expert(weight: LinearWeight, g: int) -> LinearWeight:
     return LinearWeight(weight.data[g], weight.format, weight.in_features, pick(weight.scale), pick(weight.global_scale))
 
 
-def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype."""
     weight = _check_weight(weight, 2)
     x = _check_x(x, weight)
-    out = _matmul(x.reshape(-1, weight.in_features), weight)
+    out = _matmul(x.reshape(-1, weight.in_features), weight, row_wise)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
-def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, row_wise: bool = False) -> torch.Tensor:
     """x [M, K] with rows sorted by group; group g's group_sizes[g] rows use weight[g] -> [M, N] in x's dtype."""
     weight = _check_weight(weight, 3)
     x = _check_x(x, weight, ndim=2)
@@ -97,6 +103,6 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Ten
     for g, size in enumerate(sizes):
         if size:
             # FP8 activation quantisation is per token, so quantising each group's rows alone is exact.
-            out[start : start + size] = _matmul(x[start : start + size], _expert(weight, g))
+            out[start : start + size] = _matmul(x[start : start + size], _expert(weight, g), row_wise)
         start += size
     return out.to(x.dtype)

@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # What this step added (for streaming); token_ids / text / logprobs above are cumulative.
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
 
     @property
     def finished(self) -> bool:

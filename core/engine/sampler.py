@@ -1,10 +1,17 @@
-"""Token sampling from float32 logits: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling from float32 logits, one row per sequence.
 
-Randomness is drawn per request from its own generator (exponential-race sampling: argmax p / E with
-E ~ Exp(1)), so a seeded request's tokens do not depend on what else is in the batch.
+Order, as in vLLM: penalties (repetition, frequency, presence) and min_tokens on the raw logits, then
+temperature, top-k, top-p and min-p, then a draw. The draw is an exponential race (argmax p / E with
+E ~ Exp(1)) whose noise comes from a generator keyed by (request seed, token position): a request's tokens
+depend on nothing else in the batch, nor on preemption and recomputation. Log-probabilities reported to
+the user are those of the raw model distribution.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
@@ -12,8 +19,25 @@ from deepinfer.engine.outputs import Logprob, PositionLogprobs
 from deepinfer.engine.sampling_params import SamplingParams
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
+    """One row [V]: repetition penalty over prompt + output tokens, frequency and presence over output tokens."""
+    if params.repetition_penalty == 1.0 and not params.frequency_penalty and not params.presence_penalty:
+        return logits
+    x = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=x.device)
+        vals = x[seen]
+        x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = Counter(output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=x.device)
+        freq = torch.tensor(list(counts.values()), dtype=x.dtype, device=x.device)
+        x[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    return x
+
+
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row's logits [V] -> temperature-scaled, top-k / top-p / min-p filtered logits (-inf outside)."""
+    """One row [V] -> temperature-scaled, top-k / top-p / min-p filtered logits (-inf outside)."""
     x = logits / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
@@ -32,12 +56,31 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """A CPU generator keyed by (seed, position): the same draw whatever else runs."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    suppressed_ids: Sequence[int] = (),
+) -> int:
+    """Pick the token at `position` (its index in the whole sequence) from raw logits [V]."""
+    x = apply_penalties(logits.float(), params, prompt_ids, output_ids)
+    if suppressed_ids:  # min_tokens not reached: end-of-sequence and stop ids may not be chosen
+        x = x.clone()
+        x[torch.tensor(list(suppressed_ids), dtype=torch.long, device=x.device)] = float("-inf")
     if params.greedy:
-        return int(torch.argmax(logits))
-    probs = apply_filters(logits.float(), params).softmax(-1)
-    noise = torch.empty_like(probs, device="cpu").exponential_(generator=generator).to(probs.device)
-    return int(torch.argmax(probs / noise))
+        return int(torch.argmax(x))
+    probs = apply_filters(x, params).softmax(-1)
+    noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=position_generator(seed, position))
+    return int(torch.argmax(probs / noise.to(probs.device)))
 
 
 def position_logprobs(logprobs_row: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:

@@ -1,0 +1,374 @@
+"""LLMEngine: continuous batching over the scheduler, the model runner and the sampler.
+
+One `step()` schedules a batch (decodes first, then prefill chunks), runs the model once, samples the
+sequences whose known tokens are all computed, applies stop conditions and returns the outputs of the
+requests that moved. A request with n > 1 completions prefills once; its other completions fork from the
+prompt's cache blocks without copying them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.attention import AttentionBatch, KVCacheSpec
+from deepinfer.backend import Backend
+from deepinfer.config import EngineConfig, ModelConfig
+from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.sampler import position_logprobs, sample_token
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.stop_checker import StopStringChecker
+from deepinfer.errors import InvalidInputError
+from deepinfer.model.deepseek import DeepseekModel
+from deepinfer.quant import cdiv
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _sub_seed(seed: int, index: int) -> int:
+    """Completion `index`'s own seed: completions of one request draw independent noise."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}#{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters for /metrics: token counts are totals since start-up."""
+
+    running: int
+    waiting: int
+    cache_usage: float  # fraction of cache blocks held by requests
+    prefix_cache_hit_rate: float
+    prefix_cache_hits: int  # prompt tokens found in the prefix cache
+    prefix_cache_queries: int
+    preemptions: int
+    prompt_tokens: int  # prompt tokens run through the model
+    generated_tokens: int
+    num_blocks: int
+    free_blocks: int  # free or evictable (cached but unreferenced)
+
+
+@dataclass(frozen=True)
+class _StepLayout:
+    """One step's batch and which logit rows to compute: prompt-logprob rows and each sampled sequence's row."""
+
+    batch: AttentionBatch
+    input_ids: list[int]
+    rows: list[int]  # token rows of the batch whose logits are computed
+    prompt_rows: list[tuple[int, "_Request", int]]  # (index into rows, request, prompt position it scores)
+    sample_rows: list[tuple[int, object]]  # (index into rows, ScheduledSequence)
+
+
+class _Request:
+    """Engine-side state of one request: its completions' sequences, text and logprobs."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, seed: int, tokenizer):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        self.completions = [
+            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)
+        ]
+        self.checkers = [self._checker(tokenizer) for _ in range(params.n)]
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.forked = params.n == 1
+
+    def _checker(self, tokenizer) -> StopStringChecker:
+        detok = None
+        if tokenizer is not None:
+            from deepinfer.text.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=self.params.skip_special_tokens)
+        return StopStringChecker(detok, self.params.stop)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def snapshot(self) -> RequestOutput:
+        outs = []
+        for c in self.completions:
+            outs.append(CompletionOutput(
+                index=c.index, token_ids=list(c.token_ids), text=c.text,
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                delta_token_ids=c.delta_token_ids, delta_text=c.delta_text,
+            ))
+            c.delta_token_ids, c.delta_text = [], ""
+        plp = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), plp, outs, self.finished)
+
+
+class LLMEngine:
+    def __init__(self, model: DeepseekModel, backend: Backend, engine_config: EngineConfig, tokenizer=None, max_model_len: int | None = None):
+        self.model = model
+        self.backend = backend
+        self.config: ModelConfig = model.config
+        self.engine_config = engine_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or engine_config.max_model_len or self.config.max_position_embeddings
+        act = model.embed_tokens.dtype
+        kv_dtype = engine_config.kv_cache_dtype or {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
+        spec = self._size_cache(kv_dtype)
+        self.runner = ModelRunner(model, backend, spec)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=engine_config.max_num_seqs,
+            max_num_batched_tokens=engine_config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=engine_config.block_size,
+            num_blocks=spec.num_blocks,
+            enable_prefix_caching=engine_config.enable_prefix_caching,
+            enable_chunked_prefill=engine_config.enable_chunked_prefill,
+        ))
+        self._requests: dict[str, _Request] = {}
+        self._seq_owner: dict[str, tuple[_Request, int]] = {}
+        self._generated_tokens = 0
+
+    # --- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig) -> LLMEngine:
+        from pathlib import Path
+
+        from deepinfer.model.loader import load_model
+        from deepinfer.registry import load_backend
+
+        path = Path(engine_config.model)
+        config = ModelConfig.from_hf_dir(path)
+        limit = config.max_position_embeddings
+        if engine_config.max_model_len is not None and engine_config.max_model_len > limit:
+            raise InvalidInputError(f"max_model_len must be at most {limit} (max_position_embeddings), got {engine_config.max_model_len}")
+        max_model_len = engine_config.max_model_len or limit
+        options = {"batch_invariant": True} if engine_config.batch_invariant else {}
+        backend = load_backend(engine_config.backend, **options)
+        dtype = _TORCH_DTYPES.get(engine_config.dtype) if engine_config.dtype else None
+        model = load_model(path, backend, config=config, precision=engine_config.precision, dtype=dtype,
+                           max_positions=max_model_len, load_mtp=engine_config.load_mtp, progress=engine_config.progress)
+        tokenizer = None
+        if (path / "tokenizer.json").exists():
+            from deepinfer.text.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_folder(path)
+        return cls(model, backend, engine_config, tokenizer, max_model_len)
+
+    def _size_cache(self, kv_dtype: str) -> KVCacheSpec:
+        """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use."""
+        ec, c = self.engine_config, self.config
+        probe = KVCacheSpec(1, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+        bytes_per_block = probe.bytes_per_token * ec.block_size * self.model.num_cache_layers
+        budget = ec.kv_cache_memory
+        if budget is None:
+            budget = int(_free_memory(self.backend.device) * ec.kv_cache_fraction)
+        useful = ec.max_num_seqs * cdiv(self.max_model_len, ec.block_size)
+        num_blocks = min(budget // bytes_per_block, useful)
+        if num_blocks < 1:
+            raise InvalidInputError(
+                f"the KV cache budget of {budget} bytes holds no block of {ec.block_size} tokens "
+                f"({bytes_per_block} bytes over {self.model.num_cache_layers} layers); raise kv_cache_memory"
+            )
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, ec.block_size,
+                    num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
+        return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+
+    @property
+    def num_cache_tokens(self) -> int:
+        return self.runner.spec.num_blocks * self.runner.spec.block_size
+
+    # --- requests ---------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidInputError("prompt is a string but the model folder has no tokenizer.json; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise InvalidInputError("a token-id prompt must be a list of integers")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises InvalidInputError (nothing is queued) for a bad one."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        text, ids = self.prompt_ids(prompt)
+        if not ids:
+            raise InvalidInputError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidInputError("stop strings need a tokenizer; this model folder has none (use stop_token_ids)")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        req = _Request(request_id, text, ids, params, seed, self.tokenizer)
+        max_len = self._max_len(len(ids), params)
+        seq = Sequence(req.seq_ids[0], ids, max_len)
+        self.scheduler.add(seq)  # raises if it can never fit
+        self._requests[request_id] = req
+        self._seq_owner[seq.seq_id] = (req, 0)
+
+    def _max_len(self, prompt_len: int, params: SamplingParams) -> int:
+        return self.max_model_len if params.max_tokens is None else min(self.max_model_len, prompt_len + params.max_tokens)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any moment and free its cache blocks; returns its final output, or None if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        for i, seq_id in enumerate(req.seq_ids):
+            self._seq_owner.pop(seq_id, None)
+            self.scheduler.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+            if req.completions[i].finish_reason is None:
+                req.completions[i].finish_reason = "abort"
+        return req.snapshot()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            running=s.num_running, waiting=s.num_waiting, cache_usage=s.cache_usage,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate, prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_queries=s.prefix_cache_queries, preemptions=s.num_preemptions,
+            prompt_tokens=s.num_prompt_tokens_computed, generated_tokens=self._generated_tokens,
+            num_blocks=self.runner.spec.num_blocks, free_blocks=self.scheduler.block_manager.num_free_blocks,
+        )
+
+    # --- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        layout = self._layout(plan)
+        logits = self.runner.execute(layout.batch, layout.input_ids, layout.rows).logits
+        touched: dict[str, _Request] = {}
+        for row_index, req, position in layout.prompt_rows:
+            lps = logits[row_index].log_softmax(-1)
+            req.prompt_logprobs.append(position_logprobs(lps, req.prompt_ids[position], req.params.prompt_logprobs))
+            touched[req.request_id] = req
+        sampled: dict[str, list[int]] = {}
+        sample_row: dict[str, int] = {}
+        forks: list[tuple[_Request, int, int, int]] = []
+        for row_index, item in layout.sample_rows:
+            req, index = self._seq_owner[item.seq.seq_id]
+            row = logits[row_index]
+            sampled[item.seq.seq_id] = [self._sample(req, index, item.seq, row)]
+            sample_row[item.seq.seq_id] = row_index
+            if not req.forked:  # the parent's prompt is done: the other completions start from the same logits
+                forks += [(req, child, self._sample(req, child, item.seq, row), row_index) for child in range(1, req.params.n)]
+                req.forked = True
+        self.scheduler.update(plan, sampled)
+        for req, child, token, row_index in forks:  # before the parent may finish and release its blocks
+            self._fork(req, child, token)
+        for req, child, token, row_index in forks:
+            self._append(req, child, token, logits[row_index])
+        for seq_id, tokens in sampled.items():
+            req, index = self._seq_owner[seq_id]
+            self._append(req, index, tokens[0], logits[sample_row[seq_id]])
+            touched[req.request_id] = req
+        outputs = [req.snapshot() for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self._retire(out.request_id)
+        return outputs
+
+    def _layout(self, plan: SchedulerOutput) -> _StepLayout:
+        query_lens, seq_lens, tables, input_ids, rows, prompt_rows, sample_rows = [], [], [], [], [], [], []
+        for item in plan.scheduled:
+            seq, start = item.seq, item.start
+            end = start + item.num_new_tokens
+            offset = len(input_ids)
+            input_ids += seq.get_token_ids(start, end)
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(tuple(seq.block_table))
+            req, index = self._seq_owner[seq.seq_id]
+            if index == 0 and req.prompt_logprobs is not None:
+                # The row of position p scores prompt token p + 1. Positions already recorded (seen again when a
+                # preempted request is recomputed) are skipped.
+                for p in range(max(start, len(req.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append((len(rows), req, p + 1))
+                    rows.append(offset + p - start)
+            if item.sample:
+                sample_rows.append((len(rows), item))
+                rows.append(offset + item.num_new_tokens - 1)
+        batch = AttentionBatch(tuple(query_lens), tuple(seq_lens), tuple(tables))
+        return _StepLayout(batch, input_ids, rows, prompt_rows, sample_rows)
+
+    def _suppressed(self, req: _Request, output_len: int) -> list[int]:
+        if output_len >= req.params.min_tokens:
+            return []
+        eos = [] if req.params.ignore_eos else list(self.config.eos_token_ids)
+        return eos + list(req.params.stop_token_ids)
+
+    def _sample(self, req: _Request, index: int, seq: Sequence, row: torch.Tensor) -> int:
+        output = req.completions[index].token_ids
+        return sample_token(row, req.params, _sub_seed(req.seed, index), seq.num_tokens,
+                            req.prompt_ids, output, self._suppressed(req, len(output)))
+
+    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor) -> None:
+        """Record a sampled token for completion `index` and apply stop conditions."""
+        comp, checker, params = req.completions[index], req.checkers[index], req.params
+        comp.token_ids.append(token)
+        comp.delta_token_ids.append(token)
+        self._generated_tokens += 1
+        if comp.logprobs is not None:
+            comp.logprobs.append(position_logprobs(row.log_softmax(-1), token, params.logprobs))
+        status = None
+        if token in params.stop_token_ids:
+            status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif not params.ignore_eos and token in self.config.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif checker.add(token) is not None:
+            status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, checker.matched
+        elif len(req.prompt_ids) + len(comp.token_ids) >= self._max_len(len(req.prompt_ids), params):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            checker.finish()
+            comp.finish_reason = _FINISH_REASON[status]
+            self.scheduler.finish(req.seq_ids[index], status)
+        comp.delta_text += checker.take_delta(final=status is not None)
+        comp.text = checker.visible
+
+    def _fork(self, req: _Request, index: int, token: int) -> None:
+        """Completion `index` shares the parent's prompt blocks and starts from its own first token."""
+        child = Sequence(req.seq_ids[index], req.prompt_ids, self._max_len(len(req.prompt_ids), req.params), [token])
+        self._seq_owner[child.seq_id] = (req, index)
+        self.scheduler.fork(req.seq_ids[0], child)
+
+    def _retire(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for seq_id in req.seq_ids:
+                self._seq_owner.pop(seq_id, None)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30

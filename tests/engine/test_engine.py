@@ -1,0 +1,200 @@
+"""The engine end to end on a tiny random DeepSeek-V3: continuous batching under cache pressure, preemption,
+chunked prefill, prefix caching, n > 1, aborts, stop conditions and batch invariance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.errors import InvalidInputError
+
+from tiny_checkpoints import build_hf_model, save_checkpoint
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = build_hf_model("deepseek_v3", seed=11, max_position_embeddings=512)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("engine-model"))
+
+
+def make_engine(path, **options) -> LLMEngine:
+    options.setdefault("dtype", "float32")
+    options.setdefault("progress", False)
+    return LLMEngine.from_config(EngineConfig(model=str(path), backend="reference", **options))
+
+
+def run_all(engine: LLMEngine) -> dict[str, object]:
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def random_requests(rng: random.Random, count: int):
+    reqs = []
+    for i in range(count):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.choice([1, 5, 30, 70, 130]))]
+        if rng.random() < 0.5:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.7, 1.0, 1.3]),
+                                    top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30),
+                                    ignore_eos=True)
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+def block_bytes(engine: LLMEngine) -> int:
+    spec = engine.runner.spec
+    return spec.bytes_per_token * spec.block_size * engine.model.num_cache_layers
+
+
+def test_many_requests_under_cache_pressure(checkpoint):
+    rng = random.Random(1234)
+    reqs = random_requests(rng, 64)
+    probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    # A cache of 12 blocks (768 tokens) for 64 requests: forces preemption; a small token budget forces
+    # chunked prefill of the long prompts.
+    engine = make_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    first = run_all(engine)
+    stats = engine.stats()
+    assert stats.preemptions > 0
+    assert stats.free_blocks == stats.num_blocks
+
+    # Greedy requests equal the same request run alone; seeded sampled requests repeat exactly.
+    alone = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    for rid, prompt, params in reqs:
+        if params.temperature == 0.0 or rid in ("r1", "r3", "r5"):
+            alone.add_request(rid, prompt, params)
+            solo = run_all(alone)[rid]
+            assert solo.outputs[0].token_ids == first[rid].outputs[0].token_ids, rid
+        assert len(first[rid].outputs[0].token_ids) == params.max_tokens
+    again = make_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
+    for rid, prompt, params in reqs:
+        again.add_request(rid, prompt, params)
+    second = run_all(again)
+    for rid, _, _ in reqs:
+        assert second[rid].outputs[0].token_ids == first[rid].outputs[0].token_ids, rid
+
+
+def test_abort_half_midway_frees_every_block(checkpoint):
+    rng = random.Random(99)
+    reqs = random_requests(rng, 32)
+    engine = make_engine(checkpoint, kv_cache_memory=1 << 22, max_num_batched_tokens=64, max_num_seqs=8)
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    done = set()
+    for _ in range(6):
+        done |= {out.request_id for out in engine.step() if out.finished}
+    aborted = set()
+    for rid, _, _ in reqs[::2]:
+        out = engine.abort(rid)
+        if rid in done:
+            assert out is None  # already finished: nothing to abort
+        else:
+            assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+            aborted.add(rid)
+    assert len(aborted) > 8
+    assert engine.abort(next(iter(aborted))) is None  # already gone
+    final = run_all(engine)
+    assert set(final) == {rid for rid, _, _ in reqs} - aborted - done
+    stats = engine.stats()
+    assert stats.free_blocks == stats.num_blocks and stats.running == stats.waiting == 0
+
+
+def test_prefix_cache_hits_and_same_tokens(checkpoint):
+    rng = random.Random(5)
+    prefix = [rng.randrange(2, VOCAB) for _ in range(200)]
+    prompts = [prefix + [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(enable: bool):
+        engine = make_engine(checkpoint, kv_cache_memory=1 << 24, enable_prefix_caching=enable)
+        outs = []
+        for i, p in enumerate(prompts):  # one after another, so later ones find the prefix cached
+            engine.add_request(f"p{i}", p, params)
+            outs.append(run_all(engine)[f"p{i}"].outputs[0].token_ids)
+        return outs, engine.stats()
+
+    cached, stats = run(True)
+    plain, plain_stats = run(False)
+    assert cached == plain
+    assert stats.prefix_cache_hit_rate > 0.5 and plain_stats.prefix_cache_hit_rate == 0
+
+
+def test_n_completions_share_the_prompt(checkpoint):
+    llm = LLM(str(checkpoint), backend="reference", dtype=torch.float32, progress=False)
+    prompt = list(range(2, 90))
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 10 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate([prompt], SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    stats = llm.engine.stats()
+    assert stats.free_blocks == stats.num_blocks
+
+
+def test_stop_conditions_and_min_tokens(checkpoint):
+    llm = LLM(str(checkpoint), backend="reference", dtype=torch.float32, progress=False)
+    prompt = [5, 6, 7, 8]
+    free = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    stop_at = free[5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))[0].outputs[0]
+    first = free.index(stop_at)
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    delayed = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at],
+                                                    min_tokens=first + 2, ignore_eos=True))[0].outputs[0]
+    assert stop_at not in delayed.token_ids[: first + 2]
+    with pytest.raises(InvalidInputError, match="tokenizer"):
+        llm.generate([prompt], SamplingParams(max_tokens=3, stop=["x"]))
+
+
+def test_penalties_change_distribution(checkpoint):
+    llm = LLM(str(checkpoint), backend="reference", dtype=torch.float32, progress=False)
+    prompt = [9] * 20
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    penal = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                  repetition_penalty=2.0, frequency_penalty=2.0))[0].outputs[0].token_ids
+    assert len(set(penal)) >= len(set(plain))
+
+
+def test_request_that_can_never_fit_is_rejected(checkpoint):
+    probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    engine = make_engine(checkpoint, kv_cache_memory=2 * block_bytes(probe))
+    with pytest.raises(InvalidInputError):
+        engine.add_request("big", list(range(2, 90)) * 2, SamplingParams(max_tokens=10))
+    engine.add_request("ok", [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    assert run_all(engine)["ok"].outputs[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.slow
+def test_batch_invariant_mode_bit_identical(checkpoint):
+    rng = random.Random(77)
+    target = ("target", [rng.randrange(2, VOCAB) for _ in range(90)],
+              SamplingParams(max_tokens=12, temperature=0.8, seed=42, logprobs=3, ignore_eos=True))
+
+    def run(others: int):
+        engine = make_engine(checkpoint, kv_cache_memory=1 << 24, batch_invariant=True, max_num_batched_tokens=64)
+        engine.add_request(*target)
+        for rid, prompt, params in random_requests(random.Random(others), others):
+            engine.add_request(rid, prompt, params)
+        return run_all(engine)["target"].outputs[0]
+
+    alone = run(0)
+    for others in (1, 7, 32):
+        mixed = run(others)
+        assert mixed.token_ids == alone.token_ids
+        for a, b in zip(mixed.logprobs, alone.logprobs):
+            assert {k: v.logprob for k, v in a.items()} == {k: v.logprob for k, v in b.items()}
