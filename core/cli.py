@@ -1,4 +1,4 @@
-"""`deepinfer` command line: subcommands for listing backends (and, as they land, serving)."""
+"""`deepinfer` command line: list backends, serve (`deepinfer serve`), benchmark a server (`deepinfer bench serve`), ..."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list registered backends and whether they can run here")
     p.set_defaults(func=_cmd_backends)
+    from deepinfer.serve.cli import add_serve_arguments, run as run_serve  # cheap: the engine loads only when it runs
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server (same flags as deepinfer-serve)")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    from deepinfer.serve.bench import add_bench_arguments, run as run_bench
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("serve", help="load generator for a running server: throughput, TTFT/ITL/E2E percentiles")
+    add_bench_arguments(p)
+    p.set_defaults(func=run_bench)
     return parser
 
 

@@ -32,6 +32,11 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
 
+    @property
+    def is_healthy(self) -> bool:
+        """False once the step loop has failed (every request then fails with EngineDeadError)."""
+        return self._dead is None
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="deepinfer-engine")
