@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("serve", help="load generator for a running server: throughput, TTFT/ITL/E2E percentiles")
     add_bench_arguments(p)
     p.set_defaults(func=run_bench)
+    from deepinfer.train.cli import add_parser as add_train_tiny_parser  # cheap: torch loads only when it runs
+
+    add_train_tiny_parser(sub)
     return parser
 
 

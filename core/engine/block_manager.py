@@ -114,7 +114,7 @@ class BlockManager:
         return len(self._match_seq(seq)) * self.block_size
 
     def _match_seq(self, seq: Sequence) -> list[int]:
-        if seq.block_table or seq.num_computed_tokens:
+        if seq.block_table or seq.num_computed_tokens or seq.skip_prefix_cache:
             return []  # only an admission (empty table, nothing computed) takes cache hits
         # Only whole blocks are hashed, so passing the first (num_full_blocks * bs) + 1 tokens is enough.
         n = min(seq.num_tokens, ((seq.num_tokens - 1) // self.block_size) * self.block_size + 1)

@@ -224,6 +224,7 @@ class LLMEngine:
         req = _Request(request_id, text, ids, params, seed, self.tokenizer)
         max_len = self._max_len(len(ids), params)
         seq = Sequence(req.seq_ids[0], ids, max_len)
+        seq.skip_prefix_cache = params.prompt_logprobs is not None
         self.scheduler.add(seq)  # raises if it can never fit
         self._requests[request_id] = req
         self._seq_owner[seq.seq_id] = (req, 0)

@@ -57,7 +57,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "max_len", "num_prompt_tokens", "num_computed_tokens", "block_table", "status",
-        "arrival", "fork_index", "block_hashes", "_token_ids", "_prompt",
+        "arrival", "fork_index", "block_hashes", "skip_prefix_cache", "_token_ids", "_prompt",
     )
 
     def __init__(self, seq_id: str, prompt_token_ids: Iterable[int], max_len: int,
@@ -82,6 +82,9 @@ class Sequence:
         self.fork_index = 0
         # Chained hashes of the full blocks of all_token_ids, filled lazily by the block manager.
         self.block_hashes: list[bytes] = []
+        # Admission takes no prefix-cache hits (a request wanting prompt log-probs must compute every
+        # prompt position); its own full blocks are still registered for others.
+        self.skip_prefix_cache = False
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:

@@ -186,16 +186,19 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(checkpoint: Path, **options: Any) -> RunningServer:
-    """Build the app from the same argument parser the CLI uses, and run uvicorn in a thread."""
+def start_server(checkpoint: Path | None, **options: Any) -> RunningServer:
+    """Build the app from the same argument parser the CLI uses, and run uvicorn in a thread.
+
+    checkpoint None: no --model-path, so the embedded default model is served."""
     import uvicorn
 
     from deepinfer.serve.cli import build_app_from_args, parse_args
 
     port = free_port()
     options.setdefault("served_model_name", "tiny-v3")
-    argv = ["--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), "--backend", "reference",
-            "--dtype", "float32", "--kv-cache-memory", str(16 << 20)]
+    argv = ([] if checkpoint is None else ["--model-path", str(checkpoint)]) + [
+        "--host", "127.0.0.1", "--port", str(port), "--backend", "reference", "--dtype", "float32",
+        "--kv-cache-memory", str(16 << 20)]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:

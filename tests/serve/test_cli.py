@@ -42,15 +42,24 @@ def test_every_unsupported_flag_is_listed_at_once(capsys):
     assert err.count("\n  --") == 3
 
 
-def test_model_path_required_until_the_embedded_model_ships(capsys):
-    from deepinfer.serve.cli import main
-    from deepinfer.serve.default_model import default_model_path
-    from deepinfer.errors import ConfigError
+def test_without_model_path_the_embedded_model_is_served():
+    from openai import OpenAI
 
-    with pytest.raises(ConfigError, match="--model-path"):
-        default_model_path()
-    assert main([]) == 2
-    assert "no --model-path given" in capsys.readouterr().err
+    from conftest import start_server
+    from deepinfer.models import embedded_model_path
+    from deepinfer.serve.default_model import default_model_path
+
+    assert default_model_path() == embedded_model_path()
+    running = start_server(None, served_model_name="embedded")
+    try:
+        client = OpenAI(base_url=running.base_url, api_key="unused", max_retries=0)
+        out = client.completions.create(model="embedded", prompt="def fibonacci(n):", max_tokens=16, temperature=0)
+        assert out.choices[0].text and out.usage.completion_tokens == 16 or out.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": "Write a loop"}],
+                                              max_tokens=8)
+        assert chat.choices[0].message.role == "assistant"
+    finally:
+        running.stop()
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
