@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, start_server
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -45,7 +45,6 @@ def test_every_unsupported_flag_is_listed_at_once(capsys):
 def test_without_model_path_the_embedded_model_is_served():
     from openai import OpenAI
 
-    from conftest import start_server
     from deepinfer.models import embedded_model_path
     from deepinfer.serve.default_model import default_model_path
 
