@@ -33,10 +33,10 @@ class CudaSM100Backend(ReferenceBackend):
     )
     DEFAULT_DEVICE = "cuda"
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, batch_invariant=None):
         if device is None:
             device = "cuda" if not triton_interpreter_requested() or self._cuda_available() else "cpu"
-        super().__init__(device)
+        super().__init__(device, batch_invariant)
 
     @staticmethod
     def _cuda_available() -> bool:
@@ -66,3 +66,58 @@ class CudaSM100Backend(ReferenceBackend):
             return Probe(True, f"{gpu}, compute capability {cap[0]}.{cap[1]}", f"cuda:{index}")
         except Exception as exc:  # a broken driver must read as "unusable", not crash listing
             return Probe(False, f"CUDA probe failed: {type(exc).__name__}: {exc}")
+
+    # --- attention: Triton MLA kernels in attention.py / mla_kernels.py, imported on first use ------------
+    def allocate_kv_cache(self, spec):
+        """Contiguous and zeroed: the kernels read FP8 rows through float32/bf16 views of the same bytes."""
+        import torch
+
+        return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=self.device)
+
+    def plan_attention(self, batch, spec, *, max_seq_len=None, into=None, split_tokens=None):
+        """Host schedule in device tensors. For CUDA graphs: capture with a plan made with max_seq_len, then
+        re-plan later steps (same sequences and query lengths) with into=that plan."""
+        from deepinfer.backends.cuda_sm100.attention import plan_mla
+
+        return plan_mla(batch, spec, self.device, batch_invariant=getattr(self, "batch_invariant", False),
+                        split_tokens=split_tokens, max_seq_len=max_seq_len, into=into)
+
+    def write_cache(self, plan, cache, c_kv, k_pe):
+        from deepinfer.backends.cuda_sm100 import attention
+
+        attention.write_cache(plan, cache, c_kv, k_pe)
+
+    def run_attention(self, plan, cache, q_nope, q_pe, softmax_scale, return_lse=False):
+        from deepinfer.backends.cuda_sm100 import attention
+
+        return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse,
+                                       getattr(self, "batch_invariant", False))
+
+    # --- GEMM and fused ops: Triton kernels in gemm.py / fused_ops.py, imported on first use -------------
+    def _triton_runs_here(self) -> bool:
+        return self.device.type == "cuda" or triton_interpreter_requested()
+
+    @property
+    def ops(self):
+        ops = self.__dict__.get("_fused_ops")
+        if ops is None:
+            if not self._triton_runs_here():
+                return super().ops
+            from deepinfer.backends.cuda_sm100.fused_ops import CudaFusedOps
+
+            ops = self.__dict__["_fused_ops"] = CudaFusedOps()
+        return ops
+
+    def linear(self, x, weight):
+        if not self._triton_runs_here():
+            return super().linear(x, weight)
+        from deepinfer.backends.cuda_sm100 import gemm
+
+        return gemm.linear(x, weight, batch_invariant=getattr(self, "batch_invariant", False))
+
+    def grouped_linear(self, x, weight, group_sizes):
+        if not self._triton_runs_here():
+            return super().grouped_linear(x, weight, group_sizes)
+        from deepinfer.backends.cuda_sm100 import gemm
+
+        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=getattr(self, "batch_invariant", False))

@@ -20,6 +20,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item() if ref.numel() else 0.0
 
 
+def _tol(backend, fmt: str) -> float:
+    """Allowed max error relative to the output's largest magnitude (see _rel_err).
+
+    A GPU's FP8 tensor cores add products with about 14 significant bits before DeepSeek's per-128-block
+    promotion to float32 (DeepSeek-V3 report, section 3.3.2), so there an FP8 GEMM matches float64 math on
+    the same quantised inputs only to ~2^-10 of its partial sums; everywhere else float32 accumulation
+    holds it to 1e-5.
+    """
+    return 2e-3 if fmt == "fp8_block" and backend.device.type == "cuda" else 1e-5
+
+
 def _norm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
@@ -44,7 +55,7 @@ def test_linear_matches_float64(backend, gen, fmt, m, k, n):
     lw = LinearWeight.quantize(w, fmt).to(backend.device)
     out = backend.linear(x.to(backend.device), lw)
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.device.type == backend.device.type
-    assert _rel_err(out, _reference(x, lw)) < 1e-5
+    assert _rel_err(out, _reference(x, lw)) < _tol(backend, fmt)
     if fmt == "fp8_block":  # against the unquantised product, within FP8's precision
         exact = x.double() @ w.double().t()
         # e4m3 rounds x and w each to within 2^-4 relatively (plus a subnormal floor per 128-block scale).
@@ -62,7 +73,7 @@ def test_linear_bf16_input_and_leading_dims(backend, gen, fmt):
     assert out.shape == (2, 3, 136) and out.dtype == torch.bfloat16
     # Only the final rounding to bf16 separates the output from the exact product.
     ref = _reference(x.reshape(6, 200).float(), lw).reshape(2, 3, 136)
-    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()).all()
+    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + _tol(backend, fmt) * ref.abs().max()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -105,7 +116,7 @@ def test_grouped_linear_matches_per_group_loop(backend, gen, fmt, sizes, k, n):
     group_sizes = torch.tensor(sizes, dtype=torch.int64, device=backend.device)
     out = backend.grouped_linear(x.to(backend.device), lw, group_sizes)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    assert _rel_err(out, _grouped_reference(x, lw, sizes)) < 1e-5
+    assert _rel_err(out, _grouped_reference(x, lw, sizes)) < _tol(backend, fmt)
     # The same rows through linear, one expert at a time: identical semantics.
     start = 0
     for g, size in enumerate(sizes):
@@ -130,7 +141,7 @@ def test_grouped_linear_bf16_int32_sizes(backend, gen):
     out = backend.grouped_linear(x.to(backend.device), lw, torch.tensor(sizes, dtype=torch.int32, device=backend.device))
     assert out.dtype == torch.bfloat16
     ref = _grouped_reference(x.float(), lw, sizes)
-    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()).all()
+    assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + _tol(backend, "fp8_block") * ref.abs().max()).all()
 
 
 def test_gemm_rejects_bad_inputs(backend, gen):

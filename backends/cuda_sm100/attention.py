@@ -1,0 +1,442 @@
+"""cuda_sm100 MLA attention over the paged latent cache: plan on the host, Triton kernels per layer.
+
+plan (once per step, host): the reference checks, then a split schedule. A sequence with at most
+SPLIT_MAX_QLEN queries (decode, speculative verification) is cut into pieces of `split_tokens` keys, one
+work item each, whose float32 partials a combine kernel merges by their log-sum-exp; longer query runs
+(prefill chunks) are one item each, parallel over tiles of (query, head) rows instead. Everything the
+kernels read is in device tensors built here, so run() only launches kernels: it can be captured in a CUDA
+graph. For replay across steps, `plan_mla(..., into=captured_plan)` rewrites the captured plan's
+tensors in place (same sequences and query lengths; `max_seq_len` at capture reserves room to grow).
+
+run (per layer): up to three launches: the decode items, the prefill items, the combine.
+write (per layer): one launch, FP8 quantisation fused.
+Batch-invariant mode (backend batch_invariant): no splits and one tile shape, so a query's result has the
+same bits whatever else is in the batch and whichever chunk it arrives in (less parallel at small batch).
+
+Reference math is used (and said so in `MLAPlan.fallback`) for what the kernels do not cover: fp32/fp16
+caches (not in this backend's capabilities), kv_lora_rank > 512, rope_dim > 128, FP8 rows whose rank is
+not a multiple of 4 (the fp32 scale view needs 4-byte alignment), a cache whose last dimension is strided,
+and CPU tensors when the Triton interpreter is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
+from deepinfer.backends.reference import attention as ref
+from deepinfer.errors import InvalidInputError
+from deepinfer.quant import FP8_BLOCK, cdiv
+
+SPLIT_MAX_QLEN = 8  # sequences with more queries than this are not KV-split (row tiles give parallelism)
+MAX_RANK, MAX_ROPE = 512, 128
+_META_ROWS = 5  # q_start, q_len, seq_len, n_splits, first partial slot
+
+
+@dataclass(frozen=True, eq=False)
+class MLAPlan(AttentionPlan):
+    """AttentionPlan plus the split schedule, all in device tensors (see the module docstring).
+
+    meta [5, B] int32: per sequence q_start, q_len, seq_len, n_splits, first partial slot (-1: written
+    directly, no combine).
+    tok_seq [T] int32: each token's sequence. dec_items / pre_items [n, 4] int32: (seq, kv_lo, kv_hi,
+    slot) per work item; slot -1 = write the output directly, >= 0 = partial rows slot + j for query j,
+    -2 = capacity padding. num_slots: partial rows reserved (capacity).
+    """
+
+    split_tokens: int = 0
+    fallback: str = ""  # non-empty: why this plan runs on the reference math
+    batch_invariant: bool = False
+    meta: torch.Tensor | None = None
+    tok_seq: torch.Tensor | None = None
+    dec_items: torch.Tensor | None = None
+    pre_items: torch.Tensor | None = None
+    dec_max_qlen: int = 0
+    pre_max_qlen: int = 0
+    dec_max_span: int = 0  # most keys in one item: the interpreter's loop bound
+    pre_max_span: int = 0
+    max_splits: int = 0
+    num_slots: int = 0
+    max_blocks: int = 0
+    # Per (heads, rank): float32 partial outputs and lses, allocated at the first run, reused by every layer.
+    workspace: dict = field(default_factory=dict, repr=False)
+
+
+# --- plan ---------------------------------------------------------------------------------------------
+
+
+def _kernel_gap(spec: KVCacheSpec, device: torch.device) -> str:
+    """Why the Triton kernels cannot serve this spec on this device ('' if they can)."""
+    if spec.dtype not in ("bf16", "fp8_e4m3"):
+        return f"{spec.dtype} cache has no Triton kernel (cuda_sm100 advertises bf16 and fp8_e4m3)"
+    if spec.kv_lora_rank > MAX_RANK or spec.rope_dim > MAX_ROPE:
+        return f"kv_lora_rank {spec.kv_lora_rank} > {MAX_RANK} or rope_dim {spec.rope_dim} > {MAX_ROPE}"
+    if spec.is_fp8 and spec.kv_lora_rank % 4:
+        return f"fp8 cache with kv_lora_rank {spec.kv_lora_rank} not a multiple of 4"
+    if device.type == "cpu" and not _interpreting():
+        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+    if device.type not in ("cpu", "cuda"):
+        return f"no Triton kernels for {device.type} tensors"
+    return ""
+
+
+def _interpreting() -> bool:
+    from deepinfer.backends.cuda_sm100 import triton_interpreter_requested
+
+    return triton_interpreter_requested()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small, so that the tests' short sequences are split too
+
+
+def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
+    """Keys per split: a power of two giving about two items per SM over the splittable sequences.
+
+    At least 512 on GPUs (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend
+    more on partials than they gain in parallelism), 16 under the interpreter; at most 8192.
+    """
+    env = os.environ.get("DEEPINFER_MLA_SPLIT_TOKENS")
+    if env:
+        return _check_split(int(env))
+    lo = 512 if device.type == "cuda" else 16
+    target = 2 * _num_sms(device)
+    total = sum(split_lens)
+    s = lo
+    while s < 8192 and cdiv(total, s) > target:
+        s *= 2
+    return s
+
+
+def _check_split(s: int) -> int:
+    if s < 16 or s & (s - 1):
+        raise InvalidInputError(f"split_tokens must be a power of two >= 16, got {s}")
+    return s
+
+
+def _schedule(batch: AttentionBatch, split: int | None, cap_len: int) -> tuple[list, list, list, int]:
+    """Work items and per-sequence (n_splits, first slot); split None = no KV splits at all."""
+    dec, pre, seq_split = [], [], []
+    slots = 0
+    for i, (q, s) in enumerate(zip(batch.query_lens, batch.seq_lens)):
+        if q > SPLIT_MAX_QLEN or split is None:
+            (pre if q > SPLIT_MAX_QLEN else dec).append((i, 0, s, -1))
+            seq_split.append((1, -1))
+            continue
+        n, cap = cdiv(s, split), cdiv(max(s, cap_len), split)
+        if cap == 1:
+            dec.append((i, 0, s, -1))
+            seq_split.append((1, -1))
+            continue
+        for k in range(n):
+            dec.append((i, k * split, min(s, (k + 1) * split), slots + k * q))
+        dec.extend((i, 0, 0, -2) for _ in range(cap - n))  # room for the sequence to grow (graph replay)
+        seq_split.append((n, slots))
+        slots += cap * q
+    return dec, pre, seq_split, slots
+
+
+def plan_mla(
+    batch: AttentionBatch,
+    spec: KVCacheSpec,
+    device: torch.device,
+    *,
+    batch_invariant: bool = False,
+    split_tokens: int | None = None,
+    max_seq_len: int | None = None,
+    into: MLAPlan | None = None,
+) -> MLAPlan:
+    """Validate and schedule one step. max_seq_len reserves items, partial rows and block-table width
+    for sequences growing up to that length (for a plan captured in a CUDA graph); `into` rewrites
+    such a plan's tensors in place for a new step of the same shape and returns the updated plan."""
+    device = torch.device(device)
+    if into is not None:
+        return _replan_into(into, batch, spec)
+    gap = _kernel_gap(spec, device)
+    base = AttentionPlan.build(batch, spec, device)
+    common = {f.name: getattr(base, f.name) for f in dataclasses.fields(AttentionPlan)}
+    if gap:
+        return MLAPlan(**common, fallback=gap, batch_invariant=batch_invariant)
+    cap_len = max_seq_len or 0
+    if batch_invariant:
+        split = None  # every query reduces over the same key tiles in the same order, in any batch
+    elif split_tokens is not None:
+        split = _check_split(split_tokens)
+    else:
+        splittable = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
+        split = choose_split_tokens(splittable, device)
+    dec, pre, seq_split, slots = _schedule(batch, split, cap_len)
+    width = max(cdiv(cap_len, spec.block_size), common["block_table"].shape[1])  # room to grow (graphs)
+    if width > common["block_table"].shape[1]:
+        table = torch.zeros(batch.num_seqs, width, dtype=torch.int32, device=device)
+        table[:, : common["block_table"].shape[1]] = common["block_table"]
+        common["block_table"] = table
+    meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, dec, pre, device)
+    return MLAPlan(
+        **common, split_tokens=split or 0, batch_invariant=batch_invariant, meta=meta, tok_seq=tok_seq,
+        dec_items=dec_t, pre_items=pre_t,
+        dec_max_qlen=max((batch.query_lens[i] for i, *_ in dec), default=0),
+        pre_max_qlen=max((batch.query_lens[i] for i, *_ in pre), default=0),
+        dec_max_span=max((hi - lo for _, lo, hi, _ in dec), default=0),
+        pre_max_span=max((hi - lo for _, lo, hi, _ in pre), default=0),
+        max_splits=max(n for n, _ in seq_split), num_slots=slots, max_blocks=width,
+    )
+
+
+def _pack(batch, seq_split, dec, pre, device):
+    """All schedule integers in one host tensor, copied to the device at once, then viewed apart."""
+    b, t = batch.num_seqs, batch.num_tokens
+    starts = [0]
+    for q in batch.query_lens:
+        starts.append(starts[-1] + q)
+    meta = [starts[:-1], list(batch.query_lens), list(batch.seq_lens),
+            [n for n, _ in seq_split], [s for _, s in seq_split]]
+    tok_seq = [i for i, q in enumerate(batch.query_lens) for _ in range(q)]
+    flat = [v for row in meta for v in row] + tok_seq + [v for it in dec for v in it] + [v for it in pre for v in it]
+    host = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    o1, o2, o3 = _META_ROWS * b, _META_ROWS * b + t, _META_ROWS * b + t + 4 * len(dec)
+    return (dev[:o1].view(_META_ROWS, b), dev[o1:o2], dev[o2:o3].view(-1, 4), dev[o3:].view(-1, 4))
+
+
+def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLAPlan:
+    if not isinstance(plan, MLAPlan) or plan.fallback:
+        raise InvalidInputError("into= needs a kernel plan made by plan_attention (not a reference fallback)")
+    old = plan.batch
+    if spec != plan.spec or batch.query_lens != old.query_lens:
+        raise InvalidInputError(
+            "into= needs the same KVCacheSpec and query_lens as the captured plan "
+            f"(got query_lens {batch.query_lens}, captured {old.query_lens})"
+        )
+    device = plan.seq_lens.device
+    fresh = plan_mla(batch, spec, device, batch_invariant=plan.batch_invariant,
+                     split_tokens=plan.split_tokens or None, max_seq_len=None)
+    if fresh.block_table.shape[1] > plan.max_blocks:
+        raise InvalidInputError(f"the step needs {fresh.block_table.shape[1]} blocks per sequence; the captured plan "
+                                f"holds {plan.max_blocks} (plan it with a larger max_seq_len)")
+    # Re-schedule with the captured plan's capacities, so item and slot layouts line up.
+    dec, pre, seq_split, slots = _schedule(batch, plan.split_tokens or None, 0)
+    n_cap = plan.dec_items.shape[0]
+    real = [it for it in dec if it[3] != -2]
+    if len(real) > n_cap or slots > plan.num_slots:
+        raise InvalidInputError(f"the step needs {len(real)} work items / {slots} partial rows; the captured plan "
+                                f"holds {n_cap} / {plan.num_slots} (plan it with a larger max_seq_len)")
+    real += [(0, 0, 0, -2)] * (n_cap - len(real))
+    meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, real, pre, device)
+    plan.meta.copy_(meta)
+    plan.tok_seq.copy_(tok_seq)
+    plan.dec_items.copy_(dec_t)
+    plan.pre_items.copy_(pre_t)
+    plan.seq_lens.copy_(fresh.seq_lens)
+    plan.block_table.zero_()
+    plan.block_table[:, : fresh.block_table.shape[1]].copy_(fresh.block_table)
+    plan.slot_mapping.copy_(fresh.slot_mapping)
+    plan.positions.copy_(fresh.positions)
+    plan.query_start_loc.copy_(fresh.query_start_loc)
+    return dataclasses.replace(plan, batch=batch, dec_max_span=fresh.dec_max_span, pre_max_span=fresh.pre_max_span,
+                               max_splits=fresh.max_splits)
+
+
+# --- run ------------------------------------------------------------------------------------------------
+
+
+def _cache_views(spec: KVCacheSpec, cache: torch.Tensor):
+    """(lat, scl, rope) typed views, their (block, token) strides and in-row offsets in elements, block size."""
+    r = spec.kv_lora_rank
+    if spec.is_fp8:
+        lat = cache.view(torch.float8_e4m3fn)
+        scl = cache.view(torch.float32)
+        rope = cache.view(torch.bfloat16)
+        scale_off, rope_off = r // 4, (r + 4 * spec.num_scales) // 2
+    else:
+        lat = scl = rope = cache
+        scale_off, rope_off = 0, r
+    return (lat, scl, rope, lat.stride(0), lat.stride(1), scl.stride(0), scl.stride(1),
+            rope.stride(0), rope.stride(1), scale_off, rope_off, spec.block_size)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _dims(spec: KVCacheSpec) -> dict:
+    r, p = spec.kv_lora_rank, spec.rope_dim
+    ch = min(FP8_BLOCK, _pow2(r))
+    return dict(R=r, P=p, CH=ch, NC=cdiv(r, ch), PP=_pow2(p))
+
+
+def _usable(plan: AttentionPlan, cache: torch.Tensor) -> bool:
+    return isinstance(plan, MLAPlan) and not plan.fallback and cache.stride(-1) == 1
+
+
+def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    spec = ref._check_plan_and_cache(plan, cache)
+    ref._check_tokens("c_kv", c_kv, 2, plan, cache)
+    ref._check_tokens("k_pe", k_pe, 2, plan, cache)
+    from deepinfer.checks import check_tensor
+
+    check_tensor("c_kv", c_kv, shape=(None, spec.kv_lora_rank))
+    check_tensor("k_pe", k_pe, shape=(None, spec.rope_dim))
+    if not _usable(plan, cache):
+        return ref.write_cache(plan, cache, c_kv, k_pe)
+    from deepinfer.backends.cuda_sm100 import mla_kernels as K
+
+    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
+    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    n = c_kv.shape[0]
+    views = _cache_views(spec, cache)
+    interp = cache.device.type == "cpu"
+    bt = 256 if interp else 16
+    K.mla_write_kernel[(cdiv(n, bt),)](
+        c_kv, k_pe, plan.slot_mapping, n, c_kv.stride(0), k_pe.stride(0), *views,
+        **_dims(spec), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4,
+    )
+
+
+def _check_scale(softmax_scale) -> None:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise InvalidInputError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise InvalidInputError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+
+
+def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, batch_invariant=False):
+    spec = ref._check_plan_and_cache(plan, cache)
+    ref._check_tokens("q_nope", q_nope, 3, plan, cache)
+    ref._check_tokens("q_pe", q_pe, 3, plan, cache)
+    num_tokens, heads = q_nope.shape[:2]
+    from deepinfer.checks import check_tensor
+
+    check_tensor("q_nope", q_nope, shape=(None, None, spec.kv_lora_rank))
+    check_tensor("q_pe", q_pe, shape=(num_tokens, heads, spec.rope_dim))
+    _check_scale(softmax_scale)
+    if not _usable(plan, cache):
+        return ref.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse, batch_invariant)
+    from deepinfer.backends.cuda_sm100 import mla_kernels as K
+
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    dev = cache.device
+    out = torch.empty(num_tokens, heads, spec.kv_lora_rank, dtype=q_nope.dtype, device=dev)
+    lse = torch.empty(num_tokens, heads, dtype=torch.float32, device=dev)
+    po, plse = _workspace(plan, heads, dev)
+    views = _cache_views(spec, cache)
+    dims = _dims(spec)
+    qk_scale = float(softmax_scale) * K.LOG2E
+    common = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
+              plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0))
+    interp = dev.type == "cpu"
+    tail = (out, lse, out.stride(0), out.stride(1), po, plse, heads, qk_scale)
+    for items, qmax, span in ((plan.dec_items, plan.dec_max_qlen, plan.dec_max_span),
+                              (plan.pre_items, plan.pre_max_qlen, plan.pre_max_span)):
+        if items.shape[0] == 0:
+            continue
+        rows = qmax * heads
+        cfg = attn_config(rows, spec, interp, plan.batch_invariant)
+        grid = (items.shape[0], cdiv(rows, cfg["BM"]))
+        # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
+        aligned = lambda bn: spec.block_size % bn == 0 and plan.split_tokens % bn == 0  # noqa: E731
+        # FP8: dequantising the tile measured ~4% faster than folding the scales into scores and
+        # probabilities on the H200 (2026-11-29 sweep), so the GPU dequantises; the interpreter folds
+        # wherever BM != 64, so that both paths stay tested.
+        fold_ok = lambda bm: interp and bm != 64  # noqa: E731
+        _launch(K.mla_attn_kernel, grid, (*common, items, *tail),
+                dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
+                     DOT_T=K.DOT_INTERP if interp else K.DOT_GPU), cfg, aligned, fold_ok)
+    if plan.num_slots:
+        # The interpreter pays per program, so there one program takes all heads and columns of a token.
+        hb = _pow2(heads) if interp else 1
+        dc = _pow2(spec.kv_lora_rank) if interp else min(128, _pow2(spec.kv_lora_rank))
+        K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
+            plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
+            R=spec.kv_lora_rank, HB=hb, DC=dc, ST=16, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
+            num_warps=4,
+        )
+    return (out, lse) if return_lse else out
+
+
+def _workspace(plan: MLAPlan, heads: int, device: torch.device):
+    key = (heads, plan.spec.kv_lora_rank)
+    ws = plan.workspace.get(key)
+    if ws is None:
+        rows = max(plan.num_slots, 1)
+        ws = plan.workspace[key] = (
+            torch.empty(rows, heads, plan.spec.kv_lora_rank, dtype=torch.float32, device=device),
+            torch.empty(rows, heads, dtype=torch.float32, device=device),
+        )
+    return ws
+
+
+# --- launch configuration ----------------------------------------------------------------------------------
+
+# (BM, BN, num_warps, num_stages) candidates, best first; a launch that runs out of shared memory or
+# registers moves down the list (remembered per shape), so an untried GPU never fails a step.
+# Rank 512 (DeepSeek): candidates from sm_90 compiles (ptxas: no spills) ordered by H200 timings
+# (benchmarks/bench_mla_decode.py --sweep). 64-row tiles use wgmma and need 8 warps for the 64 x 512 fp32
+# accumulator; 16 / 32-row tiles use mma.sync, where 8 warps avoid the spills 4 warps have.
+_GPU_CONFIGS = {
+    ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],  # BN 64 despite a few spills
+    ("big", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
+    ("big", 64, True): [(64, 32, 8, 2), (64, 16, 8, 2), (64, 16, 8, 1)],
+    ("big", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+}
+for _bm in (16, 32, 64):
+    for _fp8 in (False, True):
+        _GPU_CONFIGS[("small", _bm, _fp8)] = [(_bm, 64, 4, 2), (_bm, 32, 4, 1)]
+_chosen: dict = {}
+
+
+def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool) -> dict:
+    if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
+        bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, _pow2(rows))  # 64: the GPU's wgmma tile
+        # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
+        return dict(BM=bm, BN=64, num_warps=4, num_stages=1, CVT=int(bm != 64))
+    override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt]]": benchmark sweeps
+    if override:
+        v = [int(x) for x in override.split(",")]
+        cfg = dict(BM=v[0], BN=v[1], num_warps=v[2], num_stages=v[3])
+        if len(v) > 4:
+            cfg["FOLD"] = bool(v[4])
+        if len(v) > 5:
+            cfg["CVT"] = v[5]
+        return cfg
+    # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
+    bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
+    key = ("big" if spec.kv_lora_rank > 128 else "small", bm, spec.is_fp8)
+    return dict(zip(("BM", "BN", "num_warps", "num_stages"), _GPU_CONFIGS[key][0]), _key=key)
+
+
+def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
+    key = cfg.pop("_key", None)
+    if key is None:
+        cfg.setdefault("FOLD", fold_ok(cfg["BM"]))
+        cfg.setdefault("CVT", 0)
+        kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]))
+        return
+    shape_key = (key, tuple(sorted(consts.items())))
+    start = _chosen.get(shape_key, 0)
+    from triton.runtime.errors import OutOfResources
+
+    for i, c in enumerate(_GPU_CONFIGS[key][start:], start):
+        bm, bn, w, s = c
+        if bm != cfg["BM"]:
+            continue
+        try:
+            kernel[grid](*args, **consts, BM=bm, BN=bn, num_warps=w, num_stages=s, ALIGNED=aligned(bn),
+                         FOLD=fold_ok(bm), CVT=0)
+            _chosen[shape_key] = i
+            return
+        except OutOfResources:
+            continue
+    raise InvalidInputError(f"no MLA kernel configuration fits this GPU for {consts}")

@@ -1,0 +1,119 @@
+"""cuda_sm100 fused ops: the MoE gate, activation quantisation and SiLU-and-mul as Triton kernels, plus the
+token sort that lays routed tokens out for the grouped GEMM (contiguous or masked).
+
+rms_norm and apply_rope keep the reference implementations (torch ops on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer import quant
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
+from deepinfer.ops import FusedOps, RoutingSpec
+
+from deepinfer.backends.cuda_sm100 import gemm
+from deepinfer.backends.cuda_sm100 import routing_kernels as RK
+
+_MAX_EXPERTS = 1024  # the gate keeps one token's experts in registers
+
+
+@dataclass(frozen=True, eq=False)
+class SortedTokens:
+    """Routed (token, slot) pairs laid out by expert for the grouped GEMM.
+
+    group_sizes [E] int64: pairs per expert (uncapped counts in the masked layout).
+    pair_of_row [rows] int32: pair index p (token p // top_k, choice p % top_k) of each row; -1 for padding
+      rows of the masked layout. Contiguous: rows = T * top_k; masked: rows = E * capacity.
+    row_of_pair [T, top_k] int32: the row each pair went to (-1 if it overflowed its expert's capacity).
+    """
+
+    group_sizes: torch.Tensor
+    pair_of_row: torch.Tensor
+    row_of_pair: torch.Tensor
+    top_k: int
+    capacity: int | None = None
+
+    def token_of_row(self) -> torch.Tensor:
+        """Source token of each row (0 for padding rows), for gathering hidden states."""
+        return torch.where(self.pair_of_row >= 0, self.pair_of_row // self.top_k, 0)
+
+
+class CudaFusedOps(FusedOps):
+    def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+        check_tensor("x", x, dtypes=FLOAT_DTYPES)
+        if group != quant.FP8_BLOCK or x.dim() == 0:  # the kernel is specialised for DeepSeek's 128
+            return super().quantize_fp8_per_token_group(x, group)
+        k = x.shape[-1]
+        q, s = gemm.quantize_fp8(x.reshape(-1, k))
+        return q.reshape(x.shape), s.reshape(*x.shape[:-1], s.shape[-1])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm.silu_and_mul(x)
+
+    def silu_and_mul_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """silu_and_mul rounded to x's dtype, then quantised per token per 128 channels, in one kernel."""
+        return gemm.silu_and_mul(x, quantize=True)
+
+    def select_experts(self, router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None):
+        check_tensor("router_logits", router_logits, ndim=2, shape=[None, spec.num_experts])
+        if correction_bias is not None:
+            check_tensor("correction_bias", correction_bias, ndim=1, shape=[spec.num_experts], device=router_logits.device)
+        if spec.num_experts > _MAX_EXPERTS:
+            return super().select_experts(router_logits, spec, correction_bias)
+        t, e = router_logits.shape
+        groups = spec.n_group if spec.grouped else 1
+        per_group = e // groups
+        weights = torch.empty(t, spec.top_k, dtype=torch.float32, device=router_logits.device)
+        ids = torch.empty(t, spec.top_k, dtype=torch.int64, device=router_logits.device)
+        if t == 0:
+            return weights, ids
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        if spec.topk_method == "noaux_tc":
+            renorm, scale = spec.norm_topk_prob, spec.routed_scaling_factor
+        elif spec.norm_topk_prob and spec.top_k > 1:
+            renorm, scale = True, 1.0
+        else:
+            renorm, scale = False, spec.routed_scaling_factor
+        ep = gemm.next_pow2(groups) * gemm.next_pow2(per_group)
+        bt = max(1, min(16, 2048 // ep, gemm.next_pow2(t)))
+        RK.route_kernel[(gemm.cdiv(t, bt),)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, t, logits.stride(0),
+            E=e, EPG=per_group, G=groups, G_P=gemm.next_pow2(groups), EPG_P=gemm.next_pow2(per_group),
+            TOPK=spec.top_k, K_P=gemm.next_pow2(spec.top_k), TOPK_GROUP=spec.topk_group if spec.grouped else 1,
+            SOFTMAX=spec.scoring_func == "softmax", GROUPED=spec.grouped, TOP2_SUM=spec.topk_method == "noaux_tc" and per_group >= 2,
+            HAS_BIAS=correction_bias is not None, RENORM=renorm, SCALE=float(scale), BT=bt, num_warps=4)
+        return weights, ids
+
+    def sort_tokens(self, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> SortedTokens:
+        """Stable counting sort of (token, choice) pairs by expert; capacity=None gives the contiguous layout
+        (rows = T * top_k), else the masked one (rows = num_experts * capacity). No host sync."""
+        check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+        if num_experts < 1 or (capacity is not None and capacity < 0):
+            raise InvalidInputError(f"need num_experts >= 1 and capacity >= 0, got {num_experts}, {capacity}")
+        dev = topk_ids.device
+        t, k = topk_ids.shape
+        p = t * k
+        ids = topk_ids.reshape(-1) if topk_ids.is_contiguous() else topk_ids.contiguous().reshape(-1)
+        e_p = gemm.next_pow2(num_experts)
+        bp = 128
+        nb = max(1, gemm.cdiv(p, bp))
+        masked = capacity is not None
+        rows = num_experts * capacity if masked else p
+        hist = torch.empty(nb, e_p, dtype=torch.int32, device=dev)
+        base = torch.empty(nb, e_p, dtype=torch.int32, device=dev)
+        sizes = torch.empty(num_experts, dtype=torch.int64, device=dev)
+        row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
+        pair_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev) if masked else \
+            torch.empty(rows, dtype=torch.int32, device=dev)
+        cap = capacity or 0
+        RK.sort_hist_kernel[(nb,)](ids, hist, p, num_experts, E_P=e_p, BP=bp, num_warps=4)
+        RK.sort_scan_kernel[(1,)](hist, base, sizes, nb, num_experts, cap, E_P=e_p, RB=16, MASKED=masked,
+                                   NB_C=nb if gemm.interpreting() else 0, num_warps=8)
+        if p:
+            RK.sort_scatter_kernel[(nb,)](ids, base, row_of_pair, pair_of_row, p, num_experts, cap, E_P=e_p, BP=bp,
+                                          MASKED=masked, num_warps=4)
+        return SortedTokens(sizes, pair_of_row, row_of_pair.reshape(t, k), k, capacity)

@@ -1,0 +1,220 @@
+"""cuda_sm100 MLA kernels beyond the op contract: split-KV + combine, plan reuse, graph capture, batch
+invariance, fallbacks. Compared with the reference backend on the same cache bytes.
+
+Under the Triton interpreter (no GPU) the shapes are tiny; on a GPU the same tests run at DeepSeek's dims.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.attention import AttentionBatch, KVCacheSpec
+from deepinfer.errors import InvalidInputError
+from deepinfer.quant import cdiv
+
+GPU = torch.cuda.is_available()
+RANK, ROPE = (512, 64) if GPU else (32, 16)
+HEADS = (16, 128) if GPU else (3, 16)
+
+
+@pytest.fixture
+def kern(backend):
+    if backend.name != "cuda_sm100":
+        pytest.skip("cuda_sm100 kernel tests")
+    return backend
+
+
+@pytest.fixture
+def ref():
+    from deepinfer.registry import load_backend
+
+    return load_backend("reference")
+
+
+def tables_for(seq_lens, bs, gen, spare=3):
+    need = [cdiv(s, bs) for s in seq_lens]
+    perm = torch.randperm(sum(need) + spare, generator=gen).tolist()
+    out, k = [], 0
+    for n in need:
+        out.append(tuple(perm[k : k + n]))
+        k += n
+    return sum(need) + spare, tuple(out)
+
+
+def filled_cache(be, spec, gen):
+    """Every slot written with random values through the backend's own write kernel."""
+    n = spec.num_blocks * spec.block_size
+    cache = be.allocate_kv_cache(spec)
+    plan = be.plan_attention(AttentionBatch((n,), (n,), (tuple(range(spec.num_blocks)),)), spec)
+    c = torch.randn(n, spec.kv_lora_rank, generator=gen)
+    k = torch.randn(n, spec.rope_dim, generator=gen)
+    be.write_cache(plan, cache, c.to(be.device), k.to(be.device))
+    return cache
+
+
+def queries(be, t, heads, gen, scale=1.0):
+    q = (torch.randn(t, heads, RANK, generator=gen) * scale).bfloat16().to(be.device)
+    qp = torch.randn(t, heads, ROPE, generator=gen).bfloat16().to(be.device)
+    return q, qp
+
+
+def assert_close_rel(out, want, tol=2e-2):
+    """Latent outputs in bf16: one rounding of the output (2^-8 relative; the interpreter truncates, 2^-7)
+    on top of bf16 probabilities, so 2e-2 of the largest value."""
+    err = (out.float().cpu() - want.float().cpu()).abs().max().item()
+    assert err <= tol * want.float().abs().max().item(), f"out error {err:.3g} vs max {want.float().abs().max():.3g}"
+
+
+def against_reference(kern, ref, batch, spec, cache, q, qp, scale, **plan_kw):
+    plan = kern.plan_attention(batch, spec, **plan_kw)
+    out, lse = kern.run_attention(plan, cache, q, qp, scale, return_lse=True)
+    rplan = ref.plan_attention(batch, spec)
+    rout, rlse = ref.run_attention(rplan, cache.cpu(), q.cpu(), qp.cpu(), scale, return_lse=True)
+    assert_close_rel(out, rout)
+    # FP8: the kernel feeds the MMA dequantised keys rounded to bf16 (the reference keeps float32).
+    tol = 1e-2 if spec.is_fp8 else 2e-3
+    torch.testing.assert_close(lse.cpu(), rlse, rtol=tol, atol=tol)
+    return plan, out, lse
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", HEADS)
+def test_split_kv_combine_matches_reference(kern, ref, gen, kv_dtype, heads):
+    """Small forced splits: many partials per sequence, queries straddling split edges (causal), empty
+    partials (a query before a split's first key) and unsplit sequences in one batch."""
+    split = 64 if GPU else 16
+    query_lens = (1, 4, 1, 8, 2, 1)
+    seq_lens = (3 * split + 5, split + 2, split, 5 * split - 1, 9, 1)
+    if GPU:
+        query_lens, seq_lens = query_lens + (1, 3), seq_lens + (4000, 2500)
+    spec_nb, tables = tables_for(seq_lens, 64 if GPU else 16, gen)
+    spec = KVCacheSpec(spec_nb, 64 if GPU else 16, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
+    plan, _, _ = against_reference(kern, ref, AttentionBatch(query_lens, seq_lens, tables), spec, cache, q, qp,
+                                   RANK**-0.5, split_tokens=split)
+    assert plan.split_tokens == split and plan.num_slots > 0 and not plan.fallback
+
+
+def test_one_plan_serves_every_layer(kern, ref, gen):
+    """The per-step plan (and its partial workspace) is reused by each layer's write + run."""
+    query_lens, seq_lens = (1, 3, 1), (40, 70, 129)
+    nb, tables = tables_for(seq_lens, 16, gen)
+    spec = KVCacheSpec(nb, 16, RANK, ROPE, "bf16")
+    batch = AttentionBatch(query_lens, seq_lens, tables)
+    plan = kern.plan_attention(batch, spec, split_tokens=32)
+    outs = []
+    for layer in range(3):
+        cache = filled_cache(kern, spec, gen)
+        q, qp = queries(kern, sum(query_lens), HEADS[0], gen, scale=0.3)
+        out, lse = kern.run_attention(plan, cache, q, qp, 0.125, return_lse=True)
+        again = kern.run_attention(plan, cache, q, qp, 0.125)
+        assert torch.equal(out, again), "same plan, same inputs: same bits"
+        rout, rlse = ref.run_attention(ref.plan_attention(batch, spec), cache.cpu(), q.cpu(), qp.cpu(), 0.125,
+                                       return_lse=True)
+        torch.testing.assert_close(lse.cpu(), rlse, rtol=2e-3, atol=2e-3)
+        assert_close_rel(out, rout)
+        outs.append(out)
+    assert len(plan.workspace) == 1, "one partial workspace per (heads, rank), shared by the layers"
+
+
+def test_batch_invariant_mode_is_bit_identical_across_batches(gen):
+    from deepinfer.backends.cuda_sm100 import CudaSM100Backend
+
+    if CudaSM100Backend.probe().usable is False:
+        pytest.skip("cuda_sm100 not usable here")
+    be = CudaSM100Backend(batch_invariant=True)
+    seq_lens = (300, 57, 129)
+    nb, tables = tables_for(seq_lens, 16, gen)
+    spec = KVCacheSpec(nb, 16, RANK, ROPE, "bf16")
+    cache = filled_cache(be, spec, gen)
+    q, qp = queries(be, 3, HEADS[0], gen, scale=0.3)
+    together = be.run_attention(be.plan_attention(AttentionBatch((1, 1, 1), seq_lens, tables), spec), cache, q, qp, 0.1)
+    alone = be.run_attention(be.plan_attention(AttentionBatch((1,), seq_lens[:1], tables[:1]), spec), cache,
+                             q[:1], qp[:1], 0.1)
+    assert torch.equal(together[:1], alone)
+    # The same query as the last of a 5-token chunk (a prefill-like step) gives the same bits too.
+    q5 = torch.cat([queries(be, 4, HEADS[0], gen)[0], q[:1]]), torch.cat([queries(be, 4, HEADS[0], gen)[1], qp[:1]])
+    chunk = be.run_attention(be.plan_attention(AttentionBatch((5,), seq_lens[:1], tables[:1]), spec), cache, *q5, 0.1)
+    assert torch.equal(chunk[4:], alone)
+
+
+def test_unsupported_specs_fall_back_to_reference(kern, ref, gen):
+    spec = KVCacheSpec(4, 16, RANK, ROPE, "fp32")
+    batch = AttentionBatch((2,), (20,), ((3, 1),))
+    plan = kern.plan_attention(batch, spec)
+    assert "fp32" in plan.fallback
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, 2, 2, gen)
+    torch.testing.assert_close(kern.run_attention(plan, cache, q, qp, 0.1).cpu(),
+                               ref.run_attention(ref.plan_attention(batch, spec), cache.cpu(), q.cpu(), qp.cpu(), 0.1))
+
+
+def test_replan_into_rejects_other_shapes(kern):
+    spec = KVCacheSpec(16, 16, RANK, ROPE, "bf16")
+    batch = AttentionBatch((1, 1), (20, 30), ((0, 1), (2, 3)))
+    plan = kern.plan_attention(batch, spec, max_seq_len=64, split_tokens=16)
+    with pytest.raises(InvalidInputError, match="query_lens"):
+        kern.plan_attention(AttentionBatch((2, 1), (20, 30), ((0, 1), (2, 3))), spec, into=plan)
+    with pytest.raises(InvalidInputError, match="blocks per sequence"):
+        kern.plan_attention(AttentionBatch((1, 1), (20, 100), ((0, 1), tuple(range(2, 9)))), spec, into=plan)
+    with pytest.raises(InvalidInputError, match="power of two"):
+        kern.plan_attention(AttentionBatch((1,), (20,), ((0, 1),)), spec, split_tokens=24)
+    grown = kern.plan_attention(AttentionBatch((1, 1), (40, 64), ((0, 1, 4), (2, 3, 5, 6))), spec, into=plan)
+    assert grown.meta is plan.meta and grown.batch.seq_lens == (40, 64)
+
+
+@pytest.mark.parametrize("cvt", [0, 1])
+def test_fp8_operand_conversion_is_exact_for_every_code(kern, cvt):
+    """Both E4M3 -> bf16 operand conversions, over all 254 finite codes (subnormals and -0 included)."""
+    from deepinfer.backends.cuda_sm100 import mla_kernels as K
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    x = codes.view(torch.float8_e4m3fn).view(16, 16).to(kern.device)
+    out = torch.empty(16, 16, device=kern.device)
+    scale = torch.full((16,), 0.37, device=kern.device)
+    interp = kern.device.type == "cpu"
+    K.fp8_operand_kernel[(1,)](x, scale, out, N=16, CVT=cvt, FOLD=True, DOT_T=K.DOT_INTERP if interp else K.DOT_GPU,
+                               INTERP=interp)
+    assert torch.equal(out.cpu(), x.cpu().float())
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_run_is_graph_capturable_and_replans_in_place(kern, ref, gen, kv_dtype):
+    """Capture write + run once; later steps re-plan into the captured plan and replay the graph."""
+    heads, bs, max_len = 128, 64, 4096
+    seq_lens = (1000, 3000, 17, 2048)
+    nb = 4 * cdiv(max_len, bs) + 2
+    tables = tuple(tuple(range(i * cdiv(max_len, bs), (i + 1) * cdiv(max_len, bs))) for i in range(4))
+    spec = KVCacheSpec(nb, bs, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    t = len(seq_lens)
+    c_new = torch.randn(t, RANK, generator=gen).cuda()
+    k_new = torch.randn(t, ROPE, generator=gen).cuda()
+    q, qp = queries(kern, t, heads, gen, scale=0.3)
+
+    def step(lens):
+        return AttentionBatch((1,) * t, lens, tuple(tab[: cdiv(s, bs)] for tab, s in zip(tables, lens)))
+
+    plan = kern.plan_attention(step(seq_lens), spec, max_seq_len=max_len, split_tokens=512)
+    kern.write_cache(plan, cache, c_new, k_new)  # warm-up: compile outside the capture
+    kern.run_attention(plan, cache, q, qp, 0.07, return_lse=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kern.write_cache(plan, cache, c_new, k_new)
+        g_out, g_lse = kern.run_attention(plan, cache, q, qp, 0.07, return_lse=True)
+    for lens in (seq_lens, (1001, 4096, 18, 64), (3, 2, 1, 4000)):
+        plan = kern.plan_attention(step(lens), spec, into=plan)
+        c_new.normal_(generator=None)
+        graph.replay()
+        eager_plan = kern.plan_attention(step(lens), spec)
+        e_out, e_lse = kern.run_attention(eager_plan, cache, q, qp, 0.07, return_lse=True)
+        r_out, r_lse = ref.run_attention(ref.plan_attention(step(lens), spec), cache.cpu(), q.cpu(), qp.cpu(), 0.07,
+                                         return_lse=True)
+        torch.testing.assert_close(g_lse.cpu(), r_lse, rtol=1e-2, atol=1e-2)
+        assert_close_rel(g_out, r_out)
+        assert_close_rel(g_out, e_out)
