@@ -31,10 +31,18 @@ def test_model_matches_reference(backend_name, checkpoint, gen, precision):
     prompt = torch.randint(2, 96, (19,), generator=gen).tolist()
     want, want_tokens = _prompt_logprobs(ref, prompt)
     got, got_tokens = _prompt_logprobs(dut, prompt)
-    # Kernels round queries and probabilities to bf16 for the tensor cores (as FlashMLA does) and FP8 tensor
-    # cores accumulate with limited precision between promotions: a few 1e-2 of a log-prob on this model,
-    # more with FP8 activations, whose rounding amplifies those differences (a broken kernel is off by > 1).
-    tol = 1e-5 if backend_name == "reference" else (3e-2 if precision is None else 0.15)
-    torch.testing.assert_close(got, want, rtol=0, atol=tol)
     if backend_name == "reference":
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         assert got_tokens == want_tokens
+    elif precision is None:
+        # Kernels round queries and probabilities to bf16 for the tensor cores, as FlashMLA does: a few 1e-3
+        # of a log-prob on this model. Now and then that flips a near-tied expert choice of the random router
+        # and one position moves by ~0.1; a broken kernel moves every position, by more than 1.
+        diff = (got - want).abs()
+        assert int((diff > 5e-2).sum()) <= 2 and float(diff.max()) < 1.0, diff
+    else:
+        # FP8 activation rounding amplifies those small differences: require them to stay within the noise
+        # FP8 itself adds to the model (reference FP8 vs reference unquantised).
+        unquantised, _ = _prompt_logprobs(
+            LLM(str(checkpoint), backend="reference", dtype=torch.float32, kv_cache_dtype=kv, progress=False), prompt)
+        assert (got - want).abs().mean() <= (want - unquantised).abs().mean()

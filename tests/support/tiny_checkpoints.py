@@ -40,7 +40,9 @@ def _spread_weights(model: torch.nn.Module, seed: int, gain: float) -> None:
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("gate.weight") and p.dim() == 2 and "proj" not in name:
-                p.copy_(torch.randn(p.shape, generator=g))  # router: decisive expert choices
+                # Router logits of std ~2: sigmoid scores spread out instead of saturating near 1, where
+                # expert choices would hinge on float noise.
+                p.copy_(torch.randn(p.shape, generator=g) * (2.0 / p.shape[-1] ** 0.5))
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) * (gain / fan_in**0.5))
