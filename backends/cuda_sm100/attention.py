@@ -381,7 +381,7 @@ def _workspace(plan: MLAPlan, heads: int, device: torch.device):
 # (BM, BN, num_warps, num_stages) candidates, best first; a launch that runs out of shared memory or
 # registers moves down the list (remembered per shape), so an untried GPU never fails a step.
 # Rank 512 (DeepSeek): candidates from sm_90 compiles (ptxas: no spills) ordered by H200 timings
-# (benchmarks/bench_mla_decode.py --sweep). 64-row tiles use wgmma and need 8 warps for the 64 x 512 fp32
+# (benchmarks/mla_decode.py --sweep). 64-row tiles use wgmma and need 8 warps for the 64 x 512 fp32
 # accumulator; 16 / 32-row tiles use mma.sync, where 8 warps avoid the spills 4 warps have.
 _GPU_CONFIGS = {
     ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],  # BN 64 despite a few spills

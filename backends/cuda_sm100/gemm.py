@@ -2,7 +2,7 @@
 
 - FP8 block weights: activations quantised per token per 128 channels by quant_fp8_kernel (scales stored
   column-major, as DeepGEMM does, so the GEMM reads them contiguously), then the block-scaled tile GEMM.
-- bf16/fp16 dense `linear` goes to cuBLAS (torch.matmul): benchmarks/bench_gemm.py measures the Triton
+- bf16/fp16 dense `linear` goes to cuBLAS (torch.matmul): benchmarks/gemm.py measures the Triton
   tile kernel against it (H200, 2026-11-29: 0.71-1.03x cuBLAS at M=4096, 0.76-1.02x at M=64), so cuBLAS
   stays; grouped dense GEMMs use the Triton kernel. float32 or mixed dtypes run the kernel with IEEE
   float32 dots (exact like the reference, slow; not a serving path).

@@ -1,6 +1,6 @@
 """cuda_sm100 GEMMs on the GPU against their peers, in one run: TFLOPS and ratios.
 
-  python3 benchmarks/bench_gemm.py [--out DIR] [--budget SECONDS] [--sweep] [--sections fp8,grouped,precision,dense]
+  python3 benchmarks/gemm.py [--out DIR] [--budget SECONDS] [--sweep] [--sections fp8,grouped,precision,dense]
 
 - FP8 block-scaled GEMM (DeepGEMM's recipe) at ANCHORS.md's DeepSeek-V3 shapes, M in (64, 128, 4096):
   ours (GEMM only, activations pre-quantised, as DeepGEMM and cuBLAS are timed), ours end to end (bf16 in,
@@ -334,7 +334,7 @@ def main() -> None:
         bench_dense_and_nvfp4(deadline)
     print(f"\n# wall time {time.time() - start:.0f} s")
     if args.out:
-        with open(f"{args.out}/bench_gemm.json", "w") as fh:
+        with open(f"{args.out}/gemm.json", "w") as fh:
             json.dump(RESULTS, fh, indent=1)
 
 

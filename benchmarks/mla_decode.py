@@ -1,7 +1,7 @@
 """MLA decode over the paged latent cache on one GPU: cuda_sm100 Triton kernels vs the H200's ceilings,
 FlashMLA's published-here figures (shared/ANCHORS.md) and plain-PyTorch absorbed MLA, in one run.
 
-    python benchmarks/bench_mla_decode.py [--reps 30] [--sweep] [--json OUT.json]
+    python benchmarks/mla_decode.py [--reps 30] [--sweep] [--json OUT.json]
 
 One call = plan once, then run_attention (split-KV kernel + combine) replayed from a CUDA graph, L2 flushed
 before each replay, median of --reps. Bytes and FLOPs are counted as FlashMLA's benchmark counts them:
