@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deepinfer.backends.reference import ReferenceBackend
+from deepinfer.backend import Backend
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.train.trainer import forward_logits, prefill_plan
 
@@ -29,7 +29,7 @@ def heldout_windows(stream: torch.Tensor, seq_len: int, max_tokens: int) -> torc
 
 
 @torch.no_grad()
-def evaluate(model: DeepseekModel, backend: ReferenceBackend, stream: torch.Tensor, seq_len: int, batch_size: int,
+def evaluate(model: DeepseekModel, backend: Backend, stream: torch.Tensor, seq_len: int, batch_size: int,
              max_tokens: int = 131072) -> dict[str, float]:
     """Mean over held-out target tokens: main loss / perplexity / top-1 accuracy, MTP loss / top-1 accuracy on
     token t+2 (teacher-forced with the true token t+1, as in training)."""

@@ -121,10 +121,10 @@ def run_train_tiny(opts: TrainTinyOptions, log: Callable[[str], None] = print) -
     save_tokenizer(tok, out, hf["max_position_embeddings"])
     write_heldout_list(corpus, out)
 
-    from deepinfer.backends.reference import ReferenceBackend
     from deepinfer.model.loader import load_model
+    from deepinfer.registry import load_backend
 
-    backend = ReferenceBackend(device=opts.device)
+    backend = load_backend("reference", device=opts.device)
     shipped = load_model(out, backend, dtype=torch.float32, progress=False)
     eval_exported = evaluate(shipped, backend, heldout_stream, settings.seq_len, settings.batch_size, opts.eval_tokens)
     log(f"held-out (shipped FP8): {eval_exported}")

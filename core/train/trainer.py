@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
-from deepinfer.backends.reference import ReferenceBackend
+from deepinfer.backend import Backend
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.ops import FusedOps, RoutingSpec
 from deepinfer.quant import cdiv
+from deepinfer.registry import backend_class
 from deepinfer.train.model_init import build_model, init_params, is_correction_bias, moe_layer_ids, trainable
 
 BLOCK = 64
@@ -61,19 +62,24 @@ class _LoadRecordingOps(FusedOps):
         return weights, ids
 
 
-class TrainingBackend(ReferenceBackend):
-    """The reference backend whose routers report expert loads (through Backend.ops, the documented hook)."""
+def training_backend(device: str | torch.device) -> Backend:
+    """The reference backend (found through its entry point, as the core reaches every backend) whose routers
+    report expert loads through Backend.ops, the documented hook."""
+    reference = backend_class("reference")
 
-    def __init__(self, device: str | torch.device) -> None:
-        super().__init__(device=device, batch_invariant=False)
-        self._ops = _LoadRecordingOps()
+    class TrainingBackend(reference):
+        def __init__(self) -> None:
+            super().__init__(device=device, batch_invariant=False)
+            self._ops = _LoadRecordingOps()
 
-    @property
-    def ops(self) -> _LoadRecordingOps:
-        return self._ops
+        @property
+        def ops(self) -> _LoadRecordingOps:
+            return self._ops
+
+    return TrainingBackend()
 
 
-def prefill_plan(backend: ReferenceBackend, config: ModelConfig, batch_size: int, seq_len: int) -> AttentionPlan:
+def prefill_plan(backend: Backend, config: ModelConfig, batch_size: int, seq_len: int) -> AttentionPlan:
     """B whole sequences of seq_len tokens, each in its own blocks of a scratch cache."""
     per_seq = cdiv(seq_len, BLOCK)
     spec = KVCacheSpec(batch_size * per_seq, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "fp32")
@@ -81,7 +87,7 @@ def prefill_plan(backend: ReferenceBackend, config: ModelConfig, batch_size: int
     return backend.plan_attention(AttentionBatch((seq_len,) * batch_size, (seq_len,) * batch_size, tables), spec)
 
 
-def forward_logits(model: DeepseekModel, backend: ReferenceBackend, plan: AttentionPlan, tokens: torch.Tensor):
+def forward_logits(model: DeepseekModel, backend: Backend, plan: AttentionPlan, tokens: torch.Tensor):
     """tokens [B, T+2] -> (main logits [B*T, V] predicting tokens[:, 1:T+1], MTP logits [B*T, V] predicting
     tokens[:, 2:T+2]). The MTP module sees the main model's final-normed hidden state at t and the embedding
     of token t+1, at position t: what DeepInfer's MTP drafting feeds it."""
@@ -107,7 +113,7 @@ class Trainer:
     def __init__(self, config: ModelConfig, settings: TrainSettings, device: str | torch.device):
         self.config, self.settings = config, settings
         self.device = torch.device(device)
-        self.backend = TrainingBackend(self.device)
+        self.backend = training_backend(self.device)
         self.params = init_params(config, settings.seed, self.device)
         self.cos_sin_cache = config.rope_spec().cos_sin_cache(settings.seq_len, self.device)
         self.plan = prefill_plan(self.backend, config, settings.batch_size, settings.seq_len)
