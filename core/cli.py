@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.train.cli import add_parser as add_train_tiny_parser  # cheap: torch loads only when it runs
 
     add_train_tiny_parser(sub)
+    from deepinfer.spec.train_cli import add_parser as add_train_dspark_parser  # cheap: torch loads only when it runs
+
+    add_train_dspark_parser(sub)
     return parser
 
 

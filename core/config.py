@@ -375,9 +375,50 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = False
     load_mtp: bool = True
     progress: bool = True
+    # Expert parallelism (one engine per rank: deepinfer.engine.expert_parallel) and EPLB.
+    expert_parallel_size: int = Field(default=1, gt=0)
+    enable_eplb: bool = False
+    eplb_window_size: int = Field(default=1000, gt=0)  # engine steps of expert load the balancer looks at
+    eplb_step_interval: int = Field(default=3000, ge=0)  # rebalance every this many steps (0: only on imbalance)
+    eplb_imbalance_threshold: float | None = Field(default=None, ge=1.0)  # and when busiest/mean GPU load exceeds it
+    num_redundant_experts: int = Field(default=0, ge=0)  # extra physical expert slots for replicas of hot experts
+    # Speculative decoding (deepinfer.spec): the checkpoint's MTP module chained for num_speculative_tokens
+    # (default 1), or the DSpark drafter in dspark_model (default <model>/dspark; block of
+    # num_speculative_tokens, default its own). DSpark verifies while the calibrated survival stays above
+    # dspark_confidence_threshold when set (0: the whole block), else by the hardware-aware prefix scheduler
+    # over an SPS curve profiled at start-up and cached in speculative_sps_cache ("off": never cached), or
+    # given as (tokens, seconds per step) points in speculative_sps_table.
+    speculative_engine: Literal["mtp", "dspark"] | None = None
+    num_speculative_tokens: int | None = Field(default=None, gt=0)
+    dspark_confidence_threshold: float | None = Field(default=None, ge=0, le=1)
+    dspark_model: str | None = None
+    speculative_sps_cache: str | None = None
+    speculative_sps_table: tuple[tuple[int, float], ...] | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as err:
             raise ConfigError(_describe_validation_error(err, None, prefix="engine.")) from None
+
+    @model_validator(mode="after")
+    def _speculation_options(self) -> EngineConfig:
+        if self.speculative_engine != "dspark":
+            for name in ("dspark_confidence_threshold", "dspark_model"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs speculative_engine='dspark' (got {self.speculative_engine!r})")
+        if self.speculative_engine is None and self.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs a speculative_engine ('mtp' or 'dspark')")
+        if self.speculative_engine == "mtp" and not self.load_mtp:
+            raise ValueError("speculative_engine='mtp' drafts with the checkpoint's MTP layer: load_mtp must be True")
+        return self
+
+    @model_validator(mode="after")
+    def _eplb_options(self) -> EngineConfig:
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb (the balancer places the replicas)")
+        if self.enable_eplb and self.expert_parallel_size < 2:
+            raise ValueError("enable_eplb balances experts across ranks: it needs expert_parallel_size >= 2")
+        if self.enable_eplb and self.eplb_step_interval == 0 and self.eplb_imbalance_threshold is None:
+            raise ValueError("enable_eplb needs a trigger: eplb_step_interval > 0 or an eplb_imbalance_threshold")
+        return self

@@ -22,7 +22,9 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 class LLM:
     """Load a HF DeepSeek checkpoint folder and generate; engine options (max_num_seqs, kv_cache_memory,
-    enable_prefix_caching, batch_invariant, ...) pass through to EngineConfig."""
+    enable_prefix_caching, batch_invariant, ...) pass through to EngineConfig, speculative decoding's too:
+    speculative_engine="mtp" | "dspark" | None, num_speculative_tokens=k, dspark_confidence_threshold=None
+    (None: the hardware-aware prefix scheduler), dspark_model=folder (default: <model>/dspark)."""
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,12 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.engine.stop_checker import StopStringChecker
-from deepinfer.errors import InvalidInputError
+from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.quant import cdiv
+from deepinfer.spec.drafter import DraftRequest, Observation
+from deepinfer.spec.metrics import SpecDecodeStats
+from deepinfer.spec.verifier import VerifyContext, verify
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ class EngineStats:
     generated_tokens: int
     num_blocks: int
     free_blocks: int  # free or evictable (cached but unreferenced)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it runs
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class _StepLayout:
     input_ids: list[int]
     rows: list[int]  # token rows of the batch whose logits are computed
     prompt_rows: list[tuple[int, "_Request", int]]  # (index into rows, request, prompt position it scores)
-    sample_rows: list[tuple[int, object]]  # (index into rows, ScheduledSequence)
+    sample_rows: list[tuple[int, object]]  # (index into rows, ScheduledSequence); drafts add rows after it
+    offsets: list[int]  # per scheduled sequence: its first token row in the batch
 
 
 class _Request:
@@ -119,7 +125,10 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekModel, backend: Backend, engine_config: EngineConfig, tokenizer=None, max_model_len: int | None = None):
+    def __init__(self, model: DeepseekModel, backend: Backend, engine_config: EngineConfig, tokenizer=None, max_model_len: int | None = None,
+                 speculator=None):
+        """speculator: a deepinfer.spec Speculator to use instead of the one engine_config describes (tests,
+        custom drafters)."""
         self.model = model
         self.backend = backend
         self.config: ModelConfig = model.config
@@ -130,6 +139,9 @@ class LLMEngine:
         kv_dtype = engine_config.kv_cache_dtype or {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
         spec = self._size_cache(kv_dtype)
         self.runner = ModelRunner(model, backend, spec)
+        from deepinfer.spec.speculator import build_speculator
+
+        self.speculator = speculator or build_speculator(engine_config, model, self.runner, type(backend).__name__)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=engine_config.max_num_seqs,
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
@@ -138,19 +150,25 @@ class LLMEngine:
             num_blocks=spec.num_blocks,
             enable_prefix_caching=engine_config.enable_prefix_caching,
             enable_chunked_prefill=engine_config.enable_chunked_prefill,
+            num_lookahead_slots=self.speculator.num_lookahead_slots if self.speculator else 0,
         ))
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._generated_tokens = 0
+        # Expert parallelism (deepinfer.engine.expert_parallel) sets this hook: a rank that schedules nothing
+        # in a step must still enter the step's MoE collectives, with a forward of no tokens.
+        self.idle_forward: Callable[[], None] | None = None
 
     # --- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, engine_config: EngineConfig) -> LLMEngine:
+    def from_config(cls, engine_config: EngineConfig, speculator=None) -> LLMEngine:
         from pathlib import Path
 
         from deepinfer.model.loader import load_model
         from deepinfer.registry import load_backend
 
+        if engine_config.expert_parallel_size > 1:
+            raise ConfigError("expert_parallel_size > 1 runs one engine per rank: use deepinfer.engine.expert_parallel")
         path = Path(engine_config.model)
         config = ModelConfig.from_hf_dir(path)
         limit = config.max_position_embeddings
@@ -167,7 +185,7 @@ class LLMEngine:
             from deepinfer.text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_folder(path)
-        return cls(model, backend, engine_config, tokenizer, max_model_len)
+        return cls(model, backend, engine_config, tokenizer, max_model_len, speculator)
 
     def _size_cache(self, kv_dtype: str) -> KVCacheSpec:
         """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use."""
@@ -240,6 +258,8 @@ class LLMEngine:
         for i, seq_id in enumerate(req.seq_ids):
             self._seq_owner.pop(seq_id, None)
             self.scheduler.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+            if self.speculator:
+                self.speculator.release(seq_id)
             if req.completions[i].finish_reason is None:
                 req.completions[i].finish_reason = "abort"
         return req.snapshot()
@@ -255,15 +275,21 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries, preemptions=s.num_preemptions,
             prompt_tokens=s.num_prompt_tokens_computed, generated_tokens=self._generated_tokens,
             num_blocks=self.runner.spec.num_blocks, free_blocks=self.scheduler.block_manager.num_free_blocks,
+            spec_decode=self.speculator.metrics.snapshot() if self.speculator else None,
         )
 
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self.idle_forward is not None:
+                self.idle_forward()
             return []
-        layout = self._layout(plan)
-        logits = self.runner.execute(layout.batch, layout.input_ids, layout.rows).logits
+        drafts = self._propose(plan) if self.speculator else {}
+        layout = self._layout(plan, drafts)
+        capture = self.speculator.capture_layers if self.speculator else ()
+        step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture)
+        logits = step_out.logits
         touched: dict[str, _Request] = {}
         for row_index, req, position in layout.prompt_rows:
             lps = logits[row_index].log_softmax(-1)
@@ -272,38 +298,59 @@ class LLMEngine:
         sampled: dict[str, list[int]] = {}
         sample_row: dict[str, int] = {}
         forks: list[tuple[_Request, int, int, int]] = []
+        accepted: dict[str, int] = {}
         for row_index, item in layout.sample_rows:
             req, index = self._seq_owner[item.seq.seq_id]
+            draft = drafts.get(item.seq.seq_id)
+            if draft is not None:  # speculative: rows for the anchor and each draft
+                result = self._verify(req, index, item.seq, draft, logits[row_index : row_index + 1 + len(draft.proposal.tokens)])
+                sampled[item.seq.seq_id], accepted[item.seq.seq_id] = result.tokens, result.num_accepted
+                sample_row[item.seq.seq_id] = row_index
+                continue
             row = logits[row_index]
             sampled[item.seq.seq_id] = [self._sample(req, index, item.seq, row)]
             sample_row[item.seq.seq_id] = row_index
             if not req.forked:  # the parent's prompt is done: the other completions start from the same logits
                 forks += [(req, child, self._sample(req, child, item.seq, row), row_index) for child in range(1, req.params.n)]
                 req.forked = True
-        self.scheduler.update(plan, sampled)
+        self.scheduler.update(plan, sampled, accepted)
         for req, child, token, row_index in forks:  # before the parent may finish and release its blocks
             self._fork(req, child, token)
         for req, child, token, row_index in forks:
             self._append(req, child, token, logits[row_index])
         for seq_id, tokens in sampled.items():
             req, index = self._seq_owner[seq_id]
-            self._append(req, index, tokens[0], logits[sample_row[seq_id]])
+            for i, token in enumerate(tokens):  # several when drafts were accepted; none after a stop
+                if req.completions[index].finish_reason is not None:
+                    break
+                self._append(req, index, token, logits[sample_row[seq_id] + i])
             touched[req.request_id] = req
+        if self.speculator:
+            self._observe(plan, layout, step_out)
+            for req, child, _, _ in forks:  # after observe: the parent's drafter state now covers the prompt
+                seq = self.scheduler.get(req.seq_ids[child])
+                if seq is not None:
+                    self.speculator.fork(req.seq_ids[0], seq.seq_id, seq.num_computed_tokens)
         outputs = [req.snapshot() for req in touched.values()]
         for out in outputs:
             if out.finished:
                 self._retire(out.request_id)
         return outputs
 
-    def _layout(self, plan: SchedulerOutput) -> _StepLayout:
+    def _layout(self, plan: SchedulerOutput, drafts: dict | None = None) -> _StepLayout:
         query_lens, seq_lens, tables, input_ids, rows, prompt_rows, sample_rows = [], [], [], [], [], [], []
+        offsets = []
         for item in plan.scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
             offset = len(input_ids)
+            offsets.append(offset)
             input_ids += seq.get_token_ids(start, end)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            draft = (drafts or {}).get(seq.seq_id)
+            extra = draft.proposal.tokens if draft is not None else []
+            input_ids += extra  # verified in the same forward, in the lookahead slots
+            query_lens.append(item.num_new_tokens + len(extra))
+            seq_lens.append(end + len(extra))
             tables.append(tuple(seq.block_table))
             req, index = self._seq_owner[seq.seq_id]
             if index == 0 and req.prompt_logprobs is not None:
@@ -314,9 +361,49 @@ class LLMEngine:
                     rows.append(offset + p - start)
             if item.sample:
                 sample_rows.append((len(rows), item))
-                rows.append(offset + item.num_new_tokens - 1)
+                rows.extend(offset + item.num_new_tokens - 1 + i for i in range(1 + len(extra)))
         batch = AttentionBatch(tuple(query_lens), tuple(seq_lens), tuple(tables))
-        return _StepLayout(batch, input_ids, rows, prompt_rows, sample_rows)
+        return _StepLayout(batch, input_ids, rows, prompt_rows, sample_rows, offsets)
+
+    # --- speculative decoding (deepinfer.spec) ------------------------------------------------------------
+    def _propose(self, plan: SchedulerOutput) -> dict:
+        """Drafts for this step's decoding sequences (those with lookahead slots whose request allows it)."""
+        requests, sampling = [], 0
+        k = self.speculator.num_lookahead_slots
+        for item in plan.scheduled:
+            if not item.sample:
+                continue
+            sampling += 1
+            if item.num_new_tokens != 1 or item.num_lookahead_slots == 0:
+                continue  # prompts (and recomputations) finish without drafts
+            req, index = self._seq_owner[item.seq.seq_id]
+            params = req.params
+            limit = min(item.num_lookahead_slots, k if params.max_draft_tokens is None else params.max_draft_tokens)
+            if params.dspark_speculation is False or limit == 0:
+                continue
+            requests.append(DraftRequest(item.seq.seq_id, item.seq.last_token_id, item.start, limit, params,
+                                         _sub_seed(req.seed, index), tuple(item.seq.block_table)))
+        return self.speculator.propose(requests, plan.num_batched_tokens, sampling)
+
+    def _verify(self, req: _Request, index: int, seq: Sequence, draft, rows: torch.Tensor):
+        output = req.completions[index].token_ids
+        ctx = VerifyContext(req.params, _sub_seed(req.seed, index), seq.num_tokens, req.prompt_ids, output,
+                            lambda n: self._suppressed(req, n), seq.max_len - seq.num_tokens)
+        result = verify(rows, draft.proposal, ctx)
+        self.speculator.record(draft, result)
+        return result
+
+    def _observe(self, plan: SchedulerOutput, layout: _StepLayout, step_out) -> None:
+        """Hand the drafter the positions this step computed and kept, with the token after each."""
+        observations = []
+        for item, offset in zip(plan.scheduled, layout.offsets):
+            seq = item.seq
+            if self.scheduler.get(seq.seq_id) is not seq or seq.num_computed_tokens <= item.start:
+                continue  # finished (or preempted) since: nothing to extend
+            end = seq.num_computed_tokens
+            observations.append(Observation(seq.seq_id, item.start, offset, tuple(seq.get_token_ids(item.start + 1, end + 1)),
+                                            tuple(seq.block_table)))
+        self.speculator.observe(observations, step_out.hidden, step_out.captured)
 
     def _suppressed(self, req: _Request, output_len: int) -> list[int]:
         if output_len >= req.params.min_tokens:
@@ -364,6 +451,8 @@ class LLMEngine:
         if req is not None:
             for seq_id in req.seq_ids:
                 self._seq_owner.pop(seq_id, None)
+                if self.speculator:
+                    self.speculator.release(seq_id)
 
 
 def _free_memory(device: torch.device) -> int:

@@ -31,6 +31,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    # Speculative decoding, per request: False opts out; max_draft_tokens caps the draft length. Neither can
+    # change the output distribution (verification is lossless), only speed.
+    dspark_speculation: bool | None = None
+    max_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -68,6 +72,11 @@ class SamplingParams:
             raise InvalidInputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidInputError(f"n must be a positive integer, got {self.n!r}")
+        if self.dspark_speculation is not None and not isinstance(self.dspark_speculation, bool):
+            raise InvalidInputError(f"dspark_speculation must be a boolean or None, got {self.dspark_speculation!r}")
+        if self.max_draft_tokens is not None and (not isinstance(self.max_draft_tokens, int)
+                                                  or isinstance(self.max_draft_tokens, bool) or self.max_draft_tokens < 0):
+            raise InvalidInputError(f"max_draft_tokens must be a non-negative integer or None, got {self.max_draft_tokens!r}")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,8 @@ are HF names relative to the layer, e.g. "self_attn.kv_b_proj.weight".
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deepinfer.backend import Backend
@@ -14,6 +16,7 @@ from deepinfer.model.context import ForwardContext
 from deepinfer.model.mla import MLAttention
 from deepinfer.model.mlp import GatedMLP, stack_experts
 from deepinfer.model.moe import MoE
+from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.weights import LinearWeight
 
 Weights = dict[str, object]
@@ -30,7 +33,9 @@ def _sub(weights: Weights, prefix: str) -> Weights:
 
 
 class DecoderLayer:
-    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor):
+    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor,
+                 placement: ExpertPlacement | None = None, ep_group: Any = None):
+        """placement / ep_group: expert parallelism (the weights then hold only this rank's experts)."""
         self.backend = backend
         self.index = index
         self.eps = config.rms_norm_eps
@@ -38,7 +43,7 @@ class DecoderLayer:
         self.post_attention_layernorm = weights["post_attention_layernorm.weight"]
         self.self_attn = MLAttention(backend, config, _sub(weights, "self_attn"), cos_sin_cache)
         self.mlp: GatedMLP | MoE = (
-            self._build_moe(backend, config, _sub(weights, "mlp"))
+            self._build_moe(backend, config, _sub(weights, "mlp"), placement, ep_group)
             if config.is_moe_layer(index)
             else self._build_mlp(backend, _sub(weights, "mlp"))
         )
@@ -48,12 +53,15 @@ class DecoderLayer:
         return GatedMLP(backend, w["gate_proj"], w["up_proj"], w["down_proj"])
 
     @classmethod
-    def _build_moe(cls, backend: Backend, config: ModelConfig, w: Weights) -> MoE:
-        n = config.n_routed_experts
-        stacked = {p: stack_experts([w[f"experts.{e}.{p}"] for e in range(n)]) for p in ("gate_proj", "up_proj", "down_proj")}
+    def _build_moe(cls, backend: Backend, config: ModelConfig, w: Weights, placement: ExpertPlacement | None = None,
+                   ep_group: Any = None) -> MoE:
+        # Logical experts in order, or this rank's physical slots (a replica stacks its own copy).
+        held = range(config.n_routed_experts) if placement is None else placement.local_experts
+        stacked = {p: stack_experts([w[f"experts.{e}.{p}"] for e in held]) for p in ("gate_proj", "up_proj", "down_proj")}
         experts = GatedMLP(backend, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
         shared = cls._build_mlp(backend, _sub(w, "shared_experts")) if config.n_shared_experts else None
-        return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared)
+        return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared,
+                   placement, ep_group)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ops = self.backend.ops
@@ -65,13 +73,14 @@ class MTPLayer:
     """DeepSeek-V3 multi-token prediction module k: from the hidden state at position i and token i+1,
     predict token i+2 (then i+3 with the next module or by running this one autoregressively)."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor):
+    def __init__(self, backend: Backend, config: ModelConfig, index: int, weights: Weights, cos_sin_cache: torch.Tensor,
+                 placement: ExpertPlacement | None = None, ep_group: Any = None):
         self.backend = backend
         self.eps = config.rms_norm_eps
         self.enorm = weights["enorm.weight"]
         self.hnorm = weights["hnorm.weight"]
         self.eh_proj = weights["eh_proj.weight"]
-        self.block = DecoderLayer(backend, config, index, weights, cos_sin_cache)
+        self.block = DecoderLayer(backend, config, index, weights, cos_sin_cache, placement, ep_group)
         self.head_norm = weights["shared_head.norm.weight"]
         self.head = LinearWeight.dense(weights["shared_head.head.weight"])
 
@@ -110,6 +119,17 @@ class DeepseekModel:
         for layer in self.layers:
             x = layer.forward(x, ctx)
         return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def forward_capture(self, input_ids: torch.Tensor, ctx: ForwardContext, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward(), also returning the residual stream after each layer in `capture` (speculative drafters
+        such as DSpark read these target features)."""
+        x = self.embed(input_ids)
+        taken: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, ctx)
+            if i in capture:
+                taken[i] = x
+        return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps), [taken[i] for i in capture]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> float32 logits [T, vocab]."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,12 +21,14 @@ from deepinfer.config import ModelConfig
 from deepinfer.errors import ConfigError
 from deepinfer.model.checkpoint import Checkpoint, TensorSpec, expected_tensors, optional_tensors
 from deepinfer.model.deepseek import DecoderLayer, DeepseekModel, MTPLayer
+from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.quant import FP8_DTYPE
 from deepinfer.weights import LinearWeight, WeightFormat
 
 PRECISIONS = ("bf16", "fp8", "fp4")
 SCALE_SUFFIX = "_scale_inv"  # "x.weight" is dequantised by "x.weight_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,11 @@ def load_model(
     max_positions: int | None = None,
     load_mtp: bool = True,
     progress: bool = True,
+    placements: Mapping[int, ExpertPlacement] | None = None,
+    ep_group: Any = None,
 ) -> DeepseekModel:
+    """placements: expert parallelism, this rank's slot map per MoE layer index (MTP layers included); only
+    the experts those slots hold are read. ep_group: the process group their dispatch/combine run on."""
     config = config or ModelConfig.from_hf_dir(path)
     policy = WeightPolicy(dtype or default_dtype(config), backend.device, precision, backend.capabilities.weight_formats)
     ckpt = Checkpoint(path)
@@ -88,6 +96,8 @@ def load_model(
     expected = expected_tensors(config, include_mtp=with_mtp)
     n_main = config.num_hidden_layers
     ckpt.validate(expected, optional=optional_tensors(config, with_mtp))
+    if placements is not None:
+        expected = _local_experts_only(expected, placements)
     cos_sin_cache = config.rope_spec().cos_sin_cache(max_positions or config.max_position_embeddings, backend.device)
 
     remaining: dict[int, int] = defaultdict(int)
@@ -111,7 +121,8 @@ def load_model(
         if remaining[index] == 0:
             weights = pending.pop(index)
             cls = DecoderLayer if index < n_main else MTPLayer
-            built[index] = cls(backend, config, index, weights, cos_sin_cache)
+            placement = None if placements is None else placements.get(index)
+            built[index] = cls(backend, config, index, weights, cos_sin_cache, placement, ep_group)
 
     to_read = [n for n in ckpt.names() if n in expected or n.removesuffix(SCALE_SUFFIX) in expected]
     for name, tensor in ckpt.iter_tensors(to_read, progress=progress):
@@ -138,3 +149,15 @@ def load_model(
     layers = [built[i] for i in range(n_main)]
     mtp = [built[i] for i in range(n_main, n_main + (config.num_nextn_predict_layers if with_mtp else 0))]
     return DeepseekModel(backend, config, top, layers, mtp)
+
+
+def _local_experts_only(expected: dict[str, TensorSpec], placements: Mapping[int, ExpertPlacement]) -> dict[str, TensorSpec]:
+    """Drop the routed-expert tensors of experts this rank holds no slot of (they are never read)."""
+    held = {index: set(p.local_experts) for index, p in placements.items()}
+    keep = {}
+    for name, spec in expected.items():
+        m = _EXPERT.match(name)
+        if m and int(m.group(1)) in held and int(m.group(2)) not in held[int(m.group(1))]:
+            continue
+        keep[name] = spec
+    return keep

@@ -66,12 +66,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true", help="bit-identical results whatever the batch")
     g = p.add_argument_group("parallelism and kernels")
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--expert-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+                   help="ranks sharing the routed experts, attention data-parallel (spawns the local ranks; under "
+                        "torchrun, joins its processes and rank 0 serves HTTP)")
+    g.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing: replicate and move hot experts")
+    g.add_argument("--eplb-window-size", type=_positive_int, default=1000, help="engine steps of expert load EPLB looks at")
+    g.add_argument("--eplb-step-interval", type=int, default=3000,
+                   help="rebalance every this many steps when that improves balance (0: only on imbalance)")
+    g.add_argument("--eplb-imbalance-threshold", type=float,
+                   help="also rebalance when the busiest GPU's expert load over the mean exceeds this (e.g. 1.3)")
+    g.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert slots per MoE layer for replicas of hot experts (needs --enable-eplb)")
     g.add_argument("--enable-flashmla", action="store_true", help="FlashMLA-style attention kernels")
     g.add_argument("--enable-deepep", action="store_true", help="DeepEP all-to-all for expert parallelism")
-    g.add_argument("--speculative-engine", choices=["none", "mtp", "dspark"], default="none")
+    g.add_argument("--speculative-engine", choices=["none", "mtp", "dspark"], default="none",
+                   help="speculative decoding: the checkpoint's MTP layer chained, or the DSpark drafter")
+    g.add_argument("--num-speculative-tokens", type=_positive_int,
+                   help="draft tokens per step (default: 1 for mtp, the drafter's block for dspark)")
+    g.add_argument("--dspark-model", help="DSpark drafter folder (default: <model>/dspark)")
     g.add_argument("--dspark-confidence-threshold", type=float,
-                   help="static DSpark admission threshold (instead of the hardware-aware scheduler)")
+                   help="static DSpark admission threshold on the calibrated survival, in [0, 1] (0 verifies whole "
+                        "blocks; default: the hardware-aware prefix scheduler)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -100,16 +115,28 @@ def unsupported_features(args: argparse.Namespace) -> list[str]:
     if args.tensor_parallel_size > 1:
         problems.append(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented "
                         "yet (the engine runs on one device); use 1")
-    if args.expert_parallel_size > 1:
-        problems.append(f"--expert-parallel-size {args.expert_parallel_size}: expert parallelism is not available in "
-                        "the server yet (the engine runs on one device); use 1")
+    if args.expert_parallel_size > 1 and args.speculative_engine != "none":
+        problems.append(f"--expert-parallel-size {args.expert_parallel_size} with --speculative-engine: not supported "
+                        "together yet (expert-parallel ranks must run the same MoE forwards every step)")
+    if args.enable_eplb and args.expert_parallel_size < 2:
+        problems.append("--enable-eplb: balances experts across ranks; needs --expert-parallel-size >= 2")
+    if args.num_redundant_experts and not args.enable_eplb:
+        problems.append("--num-redundant-experts: the balancer places the replicas; needs --enable-eplb")
+    if args.num_redundant_experts < 0 or args.eplb_step_interval < 0:
+        problems.append("--num-redundant-experts and --eplb-step-interval must be >= 0")
+    if args.eplb_imbalance_threshold is not None and args.eplb_imbalance_threshold < 1.0:
+        problems.append(f"--eplb-imbalance-threshold {args.eplb_imbalance_threshold}: busiest/mean load, so >= 1.0")
     if args.enable_deepep:
         problems.append("--enable-deepep: DeepEP all-to-all is not integrated yet (and needs expert parallelism)")
-    if args.speculative_engine != "none":
-        problems.append(f"--speculative-engine {args.speculative_engine}: speculative decoding is not implemented yet; "
-                        "use --speculative-engine none")
-    if args.dspark_confidence_threshold is not None:
-        problems.append("--dspark-confidence-threshold: needs the DSpark speculative engine, which is not implemented yet")
+    if args.speculative_engine != "dspark":
+        for flag, value in (("--dspark-confidence-threshold", args.dspark_confidence_threshold),
+                            ("--dspark-model", args.dspark_model)):
+            if value is not None:
+                problems.append(f"{flag}: needs --speculative-engine dspark (got {args.speculative_engine})")
+    if args.num_speculative_tokens is not None and args.speculative_engine == "none":
+        problems.append("--num-speculative-tokens: needs --speculative-engine mtp or dspark")
+    if args.dspark_confidence_threshold is not None and not 0.0 <= args.dspark_confidence_threshold <= 1.0:
+        problems.append(f"--dspark-confidence-threshold {args.dspark_confidence_threshold}: must be in [0, 1]")
     if args.enable_flashmla:
         from deepinfer.registry import resolve_backend_name
 
@@ -162,15 +189,34 @@ def build_app_from_args(args: argparse.Namespace) -> Any:
         kv_cache_memory=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, batch_invariant=args.batch_invariant,
-        load_mtp=False,  # MTP weights serve only speculative decoding, which is refused above
+        load_mtp=args.speculative_engine == "mtp",  # MTP weights serve only MTP drafting
         progress=sys.stderr.isatty(),
+        speculative_engine=None if args.speculative_engine == "none" else args.speculative_engine,
+        num_speculative_tokens=args.num_speculative_tokens, dspark_model=args.dspark_model,
+        dspark_confidence_threshold=args.dspark_confidence_threshold,
+        expert_parallel_size=args.expert_parallel_size, enable_eplb=args.enable_eplb,
+        eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
+        eplb_imbalance_threshold=args.eplb_imbalance_threshold, num_redundant_experts=args.num_redundant_experts,
     )
-    llm = LLMEngine.from_config(engine_config)
+    expert_parallel = None
+    if engine_config.expert_parallel_size > 1:
+        from deepinfer.engine.ep_serving import launch
+
+        expert_parallel = launch(engine_config)
+        if expert_parallel.front is None:
+            return None  # a torchrun follower rank: it has followed rank 0 until the server shut down
+        llm = expert_parallel.front
+    else:
+        llm = LLMEngine.from_config(engine_config)
     if llm.tokenizer is None:
+        if expert_parallel is not None:
+            expert_parallel.close()
         raise ConfigError(f"{model_path} has no tokenizer.json: the server needs the model's tokenizer")
     metrics = ServerMetrics(engine_stats=llm.stats)
     serving = ServingEngine(AsyncLLMEngine(llm), metrics, max_queued_requests=config.max_queued_requests)
-    return create_app(serving, config)
+    app = create_app(serving, config)
+    app.state.expert_parallel = expert_parallel  # closed by run() once the server stops
+    return app
 
 
 class DrainingServer(uvicorn.Server):
@@ -203,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
     except DeepInferError as err:
         print(f"deepinfer-serve: error: {err}", file=sys.stderr)
         return 2
+    if app is None:
+        return 0  # an expert-parallel follower rank (torchrun) whose server has shut down
     serving, config = app.state.serving, app.state.config
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, lifespan="on",
@@ -210,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=config.drain_timeout + 10, timeout_keep_alive=5,
     )
     server = DrainingServer(uv_config, on_drain=lambda: serving.begin_drain(config.drain_timeout))
-    server.run()
+    try:
+        server.run()
+    finally:
+        if getattr(app.state, "expert_parallel", None) is not None:
+            app.state.expert_parallel.close()  # release the follower ranks
     if not server.started:
         return 1  # e.g. the port was taken: uvicorn has logged why
     logger.info("shut down cleanly")

@@ -2,8 +2,8 @@
 one process, as in the tests, must not share or clash).
 
 Request-level series are updated by the serving code as requests move; engine-level gauges (queue length,
-cache usage, prefix-cache hits, free blocks) are read from the engine's stats at scrape time. Speculative
-decoding counters join here once the DSpark engine exists.
+cache usage, prefix-cache hits, free blocks, speculative decoding counters) are read from the engine's stats at
+scrape time.
 """
 
 from __future__ import annotations
@@ -54,6 +54,25 @@ class _EngineStatsCollector(Collector):
         for name, (doc, value) in counters.items():
             if value is not None:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        spec = getattr(s, "spec_decode", None)
+        if spec is not None:  # vLLM's spec_decode_* series
+            for name, doc, value in (
+                ("spec_decode_num_drafts", "Speculative rounds (sequence-steps that drafted)", spec.num_drafts),
+                ("spec_decode_num_proposed_tokens", "Draft tokens the drafter proposed", spec.num_proposed_tokens),
+                ("spec_decode_num_draft_tokens", "Draft tokens the target verified", spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
+            ):
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+            per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by draft position", labels=["position"])
+            for k, value in enumerate(spec.accepted_per_position):
+                per_pos.add_metric([str(k)], float(value))
+            yield per_pos
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_mean_accepted_length",
+                                    "Tokens per speculative round, the target's own token included",
+                                    value=spec.mean_accepted_length)
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_verification_waste",
+                                    "Rejected / verified draft tokens", value=spec.verification_waste)
 
 
 class ServerMetrics:

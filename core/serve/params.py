@@ -3,9 +3,10 @@
 Length rule (as vLLM): prompt tokens + max_tokens must fit max_model_len; with no max_tokens the request may
 generate up to the window's end. Parameters the engine cannot honour yet are refused with a 400 naming
 them, never dropped: logit_bias, response_format other than text, best_of != n, suffix.
-`dspark_speculation` / `max_draft_tokens` are per-request hints for a speculative server; on one started
-without speculation they cannot change anything (the output distribution is the same either way), so they
-are accepted, and the response says so in the `x-deepinfer-speculation` header.
+`dspark_speculation` / `max_draft_tokens` are per-request speculation controls (False opts the request out;
+the cap limits its draft length). Verification is lossless, so they change speed only, never the output
+distribution; a server started without speculation accepts them too. The `x-deepinfer-speculation` header
+tells a client that set either one which engine serves it ("off" when none does).
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=req.n,
+            dspark_speculation=req.dspark_speculation,
+            max_draft_tokens=req.max_draft_tokens,
         )
     except InvalidInputError as err:
         raise BadRequestError(str(err)) from None
 
 
 def speculation_header(req: ChatCompletionRequest | CompletionRequest, speculative_engine: str) -> dict[str, str]:
-    """Tell a client that asked for speculation whether it applies (it cannot until a speculative engine runs)."""
+    """Tell a client that set a speculation control whether speculation applies to its request."""
     if req.dspark_speculation is None and req.max_draft_tokens is None:
         return {}
-    return {SPECULATION_HEADER: "off" if speculative_engine == "none" else speculative_engine}
+    off = speculative_engine == "none" or req.dspark_speculation is False
+    return {SPECULATION_HEADER: "off" if off else speculative_engine}

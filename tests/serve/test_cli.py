@@ -18,12 +18,14 @@ from conftest import free_port, start_server
 
 @pytest.mark.parametrize("flags,expected", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: tensor parallelism is not implemented"),
-    (["--expert-parallel-size", "8"], "--expert-parallel-size 8: expert parallelism is not available"),
+    (["--enable-eplb"], "--enable-eplb: balances experts across ranks"),
+    (["--expert-parallel-size", "2", "--num-redundant-experts", "2"], "--num-redundant-experts: the balancer places"),
     (["--enable-deepep"], "--enable-deepep: DeepEP"),
     (["--enable-flashmla", "--backend", "reference"], "--enable-flashmla: backend 'reference' has no FlashMLA"),
-    (["--speculative-engine", "mtp"], "--speculative-engine mtp: speculative decoding is not implemented"),
-    (["--speculative-engine", "dspark"], "--speculative-engine dspark"),
-    (["--dspark-confidence-threshold", "0.6"], "--dspark-confidence-threshold: needs the DSpark"),
+    (["--dspark-confidence-threshold", "0.6"], "--dspark-confidence-threshold: needs --speculative-engine dspark"),
+    (["--speculative-engine", "mtp", "--dspark-model", "x"], "--dspark-model: needs --speculative-engine dspark"),
+    (["--speculative-engine", "dspark", "--dspark-confidence-threshold", "1.5"], "must be in [0, 1]"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens: needs --speculative-engine"),
 ])
 def test_unsupported_flags_stop_startup(checkpoint, capsys, flags, expected):
     from deepinfer.serve.cli import main
@@ -37,7 +39,7 @@ def test_every_unsupported_flag_is_listed_at_once(capsys):
     from deepinfer.serve.cli import main
 
     assert main(["--model-path", "/nowhere", "--tensor-parallel-size", "2", "--enable-deepep",
-                 "--speculative-engine", "mtp"]) == 2
+                 "--dspark-confidence-threshold", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n  --") == 3
 

@@ -1,0 +1,210 @@
+"""Speculative decoding on the embedded model's held-out code, on this CPU: drafters and prefix schedulers
+against non-speculative decoding in the same run.
+
+Prompts are windows of the held-out stdlib files the embedded model never trained on (its
+heldout_files.txt, read from this interpreter's standard library). Printed:
+  1. acceptance: mean accepted length (bonus token included), per-position conditional acceptance, mean
+     verified length and verification waste (rejected / verified) for MTP-1, MTP chained k=5, DSpark with
+     the whole block, a static threshold, and Algorithm 1 at low load (batch 1) and high load (batch 32);
+  2. confidence-head calibration: per-position survival ECE before and after the shipped STS calibration,
+     on whole-block drafts decoded at temperature 1 from held-out prompts (the calibration was fitted on
+     other files);
+  3. generated tokens per second at batch 1, 8 and 32 for every configuration, and the ratio to
+     non-speculative decoding measured in the same run (interleaved, best of --repeats).
+
+    python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    "non-speculative": {},
+    "MTP-1": dict(speculative_engine="mtp", num_speculative_tokens=1),
+    "MTP chained k=5": dict(speculative_engine="mtp", num_speculative_tokens=5),
+    "DSpark fixed block (5)": dict(speculative_engine="dspark", dspark_confidence_threshold=0.0),
+    "DSpark threshold": dict(speculative_engine="dspark"),  # threshold filled from --threshold
+    "DSpark + Algorithm 1": dict(speculative_engine="dspark"),
+}
+
+
+def heldout_prompts(model_dir: Path, count: int, length: int, seed: int) -> list[list[int]]:
+    from deepinfer.spec.calibrate import prompts_from_stream
+    from deepinfer.spec.data import encode_files
+    from deepinfer.train.corpus import read_heldout_list, stdlib_root
+
+    root = stdlib_root()
+    files = [root / rel for rel in read_heldout_list(model_dir) if (root / rel).exists()]
+    stream = encode_files(model_dir / "tokenizer.json", files)
+    return prompts_from_stream(stream, count, length, seed)
+
+
+def build(model_dir: Path, name: str, threshold: float, max_num_seqs: int):
+    from deepinfer import LLM
+
+    opts = dict(CONFIGS[name])
+    if name == "DSpark threshold":
+        opts["dspark_confidence_threshold"] = threshold
+    return LLM(model_dir, max_num_seqs=max_num_seqs, kv_cache_memory=96 << 20, progress=False, **opts)
+
+
+def params(n: int, max_tokens: int, temperature: float, seed: int):
+    from deepinfer import SamplingParams
+
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=True) for i in range(n)]
+
+
+def generate(llm, prompts, batch: int, max_tokens: int, temperature: float, seed: int) -> tuple[int, float]:
+    """(generated tokens, seconds) with `batch` requests in flight (batch 1: one request at a time)."""
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        for out in llm.generate(chunk, params(len(chunk), max_tokens, temperature, seed + i)):
+            tokens += len(out.outputs[0].token_ids)
+    return tokens, time.perf_counter() - start
+
+
+def spec_stats(llm):
+    spec = llm.engine.speculator
+    return None if spec is None else spec.metrics.snapshot()
+
+
+def reset(llm) -> None:
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.metrics.reset()
+
+
+def fmt_list(xs, digits=2):
+    return " / ".join(f"{x:.{digits}f}" for x in xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model folder with a dspark/ drafter (default: embedded)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threshold", type=float, default=0.3, help="DSpark static threshold row")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--accept-prompts", type=int, default=64, help="prompts for the acceptance table (batch 32)")
+    ap.add_argument("--low-load-prompts", type=int, default=12, help="prompts decoded one at a time (batch 1)")
+    ap.add_argument("--ece-prompts", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="requests run one after another at batch 1")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from deepinfer.models import embedded_model_path
+    from deepinfer.spec.calibrate import collect_traces
+    from deepinfer.spec.confidence import STSCalibration
+
+    model_dir = args.model or embedded_model_path()
+    drafter = model_dir / "dspark"
+    t = args.temperature
+    results: dict = {"temperature": t, "date": datetime.date.today().isoformat()}
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        rev = "?"
+    print(f"# bench_spec_cpu  {results['date']}  git {rev}  {platform.processor() or platform.machine()}, "
+          f"{args.threads} torch threads, torch {torch.__version__}; model {model_dir.name}; temperature {t}")
+
+    engines = {name: build(model_dir, name, args.threshold, 32) for name in CONFIGS}
+    curve = engines["DSpark + Algorithm 1"].engine.speculator.scheduler.curve
+    print("SPS(B) profiled at start-up (steps/s): " + ", ".join(f"{b}: {1 / s:.0f}" for b, s in curve.points))
+
+    # 1. Acceptance at high load (batch 32) for every drafter; Algorithm 1 also at low load (batch 1).
+    prompts = heldout_prompts(model_dir, args.accept_prompts, args.prompt_len, args.seed)
+    rows = []
+    for name, llm in engines.items():
+        if name == "non-speculative":
+            continue
+        loads = [("high (32)", 32, prompts)]
+        if name == "DSpark + Algorithm 1":
+            loads = [("low (1)", 1, prompts[: args.low_load_prompts])] + loads
+        for load, batch, ps in loads:
+            reset(llm)
+            generate(llm, ps, batch, args.max_tokens, t, args.seed)
+            s = spec_stats(llm)
+            rows.append({"config": name, "load": load, "drafts": s.num_drafts, "tau": s.mean_accepted_length,
+                         "verified": s.mean_verified_length, "waste": s.verification_waste,
+                         "cond_accept": s.conditional_acceptance(), "pos_accept": s.position_acceptance()})
+    results["acceptance"] = rows
+    print(f"\n## Acceptance on held-out code ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_tokens} "
+          f"generated each, temperature {t})\n")
+    print("| drafter / scheduler | load (batch) | mean accepted length | verified / round | verification waste | "
+          "conditional acceptance per position | acceptance per position (accepted / rounds) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['load']} | {r['tau']:.3f} | {r['verified']:.2f} | {r['waste']:.1%} | "
+              f"{fmt_list(r['cond_accept'])} | {fmt_list(r['pos_accept'])} |")
+    mtp5 = next(r for r in rows if r["config"] == "MTP chained k=5")["tau"]
+    block = next(r for r in rows if r["config"] == "DSpark fixed block (5)")
+    print(f"\nDSpark / chained MTP accepted length at block 5: {block['tau'] / mtp5:.3f}x (target >= 1.15x)")
+
+    # 2. Calibration of the confidence head on held-out drafts.
+    ece_prompts = heldout_prompts(model_dir, args.ece_prompts, args.prompt_len, args.seed + 1)
+    traces, _ = collect_traces(model_dir, drafter, ece_prompts, args.max_tokens, temperature=1.0, seed=args.seed + 1,
+                               max_num_seqs=32, kv_cache_memory=96 << 20)
+    calib = STSCalibration.load(drafter / "calibration.json")
+    before, after = traces.ece(), traces.ece(calib)
+    results["ece"] = {"drafts": int(traces.confidence.shape[0]), "before": before, "after": after}
+    print(f"\n## Confidence head: survival ECE per position on {traces.confidence.shape[0]} held-out whole-block drafts "
+          "(temperature 1)\n")
+    print("| | " + " | ".join(f"pos {k + 1}" for k in range(len(before))) + " | mean |")
+    print("|---|" + "---|" * (len(before) + 1))
+    print("| raw | " + " | ".join(f"{x:.2%}" for x in before) + f" | {sum(before) / len(before):.2%} |")
+    print("| STS-calibrated | " + " | ".join(f"{x:.2%}" for x in after) + f" | {sum(after) / len(after):.2%} |")
+
+    # 3. Throughput, interleaved, best of repeats.
+    batches = [int(b) for b in args.batches.split(",")]
+    tput: dict = {name: {} for name in engines}
+    tput_stats: dict = {name: {} for name in engines}
+    for batch in batches:
+        n = args.batch1_prompts if batch == 1 else batch
+        ps = heldout_prompts(model_dir, n, args.prompt_len, args.seed + 100 + batch)
+        for llm in engines.values():  # warm-up
+            generate(llm, ps[:1], 1, 4, t, args.seed)
+        for rep in range(args.repeats):
+            for name, llm in engines.items():
+                reset(llm)
+                tokens, secs = generate(llm, ps, batch, args.max_tokens, t, args.seed + rep)
+                tput[name][batch] = max(tput[name].get(batch, 0.0), tokens / secs)
+                s = spec_stats(llm)
+                if s is not None:
+                    tput_stats[name][batch] = (s.mean_accepted_length, s.mean_verified_length, s.verification_waste)
+    results["throughput"] = tput
+    results["throughput_stats"] = tput_stats
+    print(f"\n## Generated tokens/s on this CPU (best of {args.repeats}; ratio to non-speculative in the same run; "
+          "accepted length / verified per round / waste)\n")
+    print("| configuration | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    for name in engines:
+        cells = []
+        for b in batches:
+            base = tput["non-speculative"][b]
+            cell = f"{tput[name][b]:.0f} ({tput[name][b] / base:.2f}x)"
+            if b in tput_stats[name]:
+                tau, ver, waste = tput_stats[name][b]
+                cell += f"; {tau:.2f} / {ver:.2f} / {waste:.0%}"
+            cells.append(cell)
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Test drafters and engine helpers for the speculative decoding tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from deepinfer.config import EngineConfig, ModelConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.spec.drafter import Drafter, DraftRequest, Observation, Proposal
+from deepinfer.spec.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from deepinfer.spec.draws import draw
+from deepinfer.spec.prefix_scheduler import PrefixScheduler
+from deepinfer.spec.speculator import Speculator
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts the known continuation of each sequence, each token replaced by a random one with probability
+    `noise` (keyed by sequence, position and index, so it does not depend on the batch): high acceptance,
+    with rejections at every position, to exercise multi-token acceptance in the engine."""
+
+    name = "scripted"
+
+    def __init__(self, continuations: dict[str, list[int]], k: int, vocab: int, noise: float = 0.3,
+                 confidence: bool = False):
+        self.continuations, self._k, self.vocab, self.noise = continuations, k, vocab, noise
+        self.has_confidence = confidence
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self._k
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        out = []
+        for r in requests:
+            full = self.continuations.get(r.seq_id, [])
+            tokens, probs, conf = [], [], []
+            for i in range(r.max_tokens):
+                rng = random.Random(f"{r.seq_id}:{r.position}:{i}")
+                truth = full[r.position + 1 + i] if r.position + 1 + i < len(full) else rng.randrange(self.vocab)
+                q = torch.full((self.vocab,), self.noise / self.vocab)
+                q[truth] += 1.0 - self.noise
+                if r.params.greedy:
+                    tokens.append(truth if rng.random() >= self.noise else rng.randrange(self.vocab))
+                else:
+                    tokens.append(draw(q, r.seed, r.position + 1 + i, "draft"))
+                    probs.append(q)
+                conf.append(0.2 + 0.75 * rng.random())
+            out.append(Proposal(tokens, torch.stack(probs) if probs else None, conf if self.has_confidence else None))
+        return out
+
+    def observe(self, observations: list[Observation], hidden: torch.Tensor, captured: tuple[torch.Tensor, ...]) -> None:
+        pass
+
+
+class RecordingDrafter(Drafter):
+    """Wraps a drafter and keeps every (request, proposal) it made."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name, self.capture_layers, self.has_confidence = inner.name, inner.capture_layers, inner.has_confidence
+        self.calibration = getattr(inner, "calibration", None)
+        self.log: list[tuple[DraftRequest, Proposal]] = []
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.inner.max_draft_tokens
+
+    def propose(self, requests):
+        proposals = self.inner.propose(requests)
+        self.log += list(zip(requests, proposals))
+        return proposals
+
+    def observe(self, observations, hidden, captured):
+        self.inner.observe(observations, hidden, captured)
+
+    def fork(self, parent_id, child_id, num_tokens):
+        self.inner.fork(parent_id, child_id, num_tokens)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+def engine(path: Path, speculator=None, **options) -> LLMEngine:
+    options.setdefault("dtype", "float32")
+    options.setdefault("progress", False)
+    options.setdefault("batch_invariant", True)
+    options.setdefault("kv_cache_memory", 1 << 24)
+    return LLMEngine.from_config(EngineConfig(model=str(path), backend="reference", **options), speculator)
+
+
+def run(engine: LLMEngine, requests) -> dict[str, object]:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def random_dspark(path: Path, out: Path, seed: int = 0, block: int = 4, window: int = 48) -> Path:
+    """A randomly initialised DSpark drafter for the checkpoint at `path` (losslessness does not need a good one)."""
+    cfg = ModelConfig.from_hf_dir(path)
+    dcfg = DSparkConfig(target_hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                        target_layers=(0, cfg.num_hidden_layers - 1), hidden_size=cfg.hidden_size, num_layers=1,
+                        num_heads=2, head_dim=cfg.hidden_size // 2, intermediate_size=2 * cfg.hidden_size,
+                        markov_rank=16, block_size=block, window=window)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = DSparkModel(dcfg, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+                        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    with torch.no_grad():  # a non-zero Markov head and a confidence spread, so every path is exercised
+        model.markov_w2.weight.normal_(0, 0.3, generator=gen)
+        model.confidence.proj.weight.normal_(0, 0.5, generator=gen)
+    save_dspark(out, model)
+    return out
+
+
+def scripted_speculator(continuations, k: int, vocab: int, mode: str = "fixed", **kw) -> Speculator:
+    drafter = ScriptedDrafter(continuations, k, vocab, confidence=mode != "fixed")
+    return Speculator(RecordingDrafter(drafter), PrefixScheduler(mode, **kw))

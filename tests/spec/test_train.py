@@ -1,0 +1,77 @@
+"""`deepinfer train-dspark` end to end at toy scale (a tiny target with a real tokenizer, a folder of text):
+the drafter learns, is calibrated, loads in the engine, and greedy decoding with it is unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepinfer.spec.data import encode_files, resolve_files, split_files
+from deepinfer.spec.train import DSparkTrainSettings
+from deepinfer.spec.train_pipeline import default_target_layers
+
+from helpers import engine, run
+from tiny_checkpoints import build_hf_model
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n        self.items.append(x)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def target_with_tokenizer(tmp_path_factory):
+    from deepinfer.train.tokenizer_train import save_tokenizer, train_tokenizer
+
+    folder = tmp_path_factory.mktemp("toy-target") / "model"
+    tok = train_tokenizer(TEXTS * 8, 300)
+    hf = build_hf_model("deepseek_v3", seed=2, vocab_size=tok.get_vocab_size(), max_position_embeddings=256)
+    hf.save_pretrained(folder)
+    save_tokenizer(tok, folder, 256)
+    data = folder.parent / "data"
+    for i in range(12):
+        (data / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (data / f"pkg{i % 3}" / f"m{i}.py").write_text(TEXTS[i % 3] * (2 + i % 4), encoding="utf-8")
+    return folder, data
+
+
+def test_data_split_and_defaults(target_with_tokenizer):
+    folder, data = target_with_tokenizer
+    files = resolve_files([str(data)], folder)
+    a, b = split_files(files, 0.25, seed=1), split_files(files, 0.25, seed=1)
+    assert a == b and not set(a.train) & set(a.calibration) and len(a.calibration) == 3
+    assert encode_files(folder / "tokenizer.json", a.calibration).numel() > 50
+    assert default_target_layers(3) == (0, 1, 2) and default_target_layers(61) == (0, 30, 60)
+    w = DSparkTrainSettings().position_weights(5)
+    assert torch.allclose(w, torch.exp(-torch.arange(5.0) / 4))
+
+
+def test_train_dspark_command(target_with_tokenizer, tmp_path):
+    from deepinfer.cli import main
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    folder, data = target_with_tokenizer
+    out = tmp_path / "dspark"
+    assert main(["train-dspark", "--target", str(folder), "--data", str(data), "--out", str(out), "--steps", "40",
+                 "--batch-size", "4", "--seq-len", "64", "--anchors", "8", "--block-size", "3", "--layers", "1",
+                 "--markov-rank", "16", "--window", "48", "--pool-windows", "16", "--lr", "3e-3",
+                 "--calib-fraction", "0.25", "--calib-prompts", "6", "--calib-tokens", "12", "--backend", "reference",
+                 "--dtype", "float32"]) == 0
+    summary = json.loads((out / "train_summary.json").read_text())
+    first, last = summary["history"][0], summary["history"][-1]
+    assert last["loss"] < 0.9 * first["loss"] and last["tv"] < first["tv"] - 0.05  # it learns the target
+    assert summary["command"].startswith("deepinfer train-dspark") and "--steps 40" in summary["command"]
+    calib = json.loads((out / "calibration.json").read_text())
+    assert len(calib["temperatures"]) == 3 and calib["fitted_on"]["drafts"] > 0
+    assert "DSpark drafter" in (out / "README.md").read_text()
+
+    prompts = [[0, 5 + i, 9, 14] for i in range(4)]
+    reqs = [(f"p{i}", p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    plain = run(engine(folder), reqs)
+    spec = engine(folder, speculative_engine="dspark", dspark_model=str(out), dspark_confidence_threshold=0.2)
+    assert spec.speculator.drafter.calibration is not None
+    fast = run(spec, reqs)
+    assert {k: v.outputs[0].token_ids for k, v in fast.items()} == {k: v.outputs[0].token_ids for k, v in plain.items()}
