@@ -12,7 +12,7 @@ heldout_files.txt, read from this interpreter's standard library). Printed:
   3. generated tokens per second at batch 1, 8 and 32 for every configuration, and the ratio to
      non-speculative decoding measured in the same run (interleaved, best of --repeats).
 
-    python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 2]
+    python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 1]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="requests run one after another at batch 1")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -160,14 +160,21 @@ def main() -> None:
     traces, _ = collect_traces(model_dir, drafter, ece_prompts, args.max_tokens, temperature=1.0, seed=args.seed + 1,
                                max_num_seqs=32, kv_cache_memory=96 << 20)
     calib = STSCalibration.load(drafter / "calibration.json")
-    before, after = traces.ece(), traces.ece(calib)
-    results["ece"] = {"drafts": int(traces.confidence.shape[0]), "before": before, "after": after}
+    results["ece"] = {"drafts": int(traces.confidence.shape[0])}
     print(f"\n## Confidence head: survival ECE per position on {traces.confidence.shape[0]} held-out whole-block drafts "
-          "(temperature 1)\n")
-    print("| | " + " | ".join(f"pos {k + 1}" for k in range(len(before))) + " | mean |")
-    print("|---|" + "---|" * (len(before) + 1))
-    print("| raw | " + " | ".join(f"{x:.2%}" for x in before) + f" | {sum(before) / len(before):.2%} |")
-    print("| STS-calibrated | " + " | ".join(f"{x:.2%}" for x in after) + f" | {sum(after) / len(after):.2%} |")
+          "(temperature 1; observed = 0/1 survival, expected = prod_(i<k) min(1, p/q)(d_i) * (1 - TV_k))\n")
+    k = traces.confidence.shape[1]
+    print("| outcome | scores | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " | mean |")
+    print("|---|---|" + "---|" * (k + 1))
+    for label, expected in (("observed", False), ("expected", True)):
+        for name, c in (("raw", None), ("STS-calibrated", calib)):
+            ece = traces.ece(c, expected=expected)
+            results["ece"][f"{label}_{name}"] = ece
+            print(f"| {label} | {name} | " + " | ".join(f"{x:.2%}" for x in ece) + f" | {sum(ece) / len(ece):.2%} |")
+    conf = calib.calibrate(traces.confidence).cumprod(1).mean(0).tolist()
+    seen = traces.outcomes(expected=False)[0].mean(0).tolist()
+    print("\nmean calibrated survival vs observed, per position: " +
+          ", ".join(f"{a:.3f} vs {b:.3f}" for a, b in zip(conf, seen)))
 
     # 3. Throughput, interleaved, best of repeats.
     batches = [int(b) for b in args.batches.split(",")]

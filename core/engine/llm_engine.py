@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -285,6 +286,7 @@ class LLMEngine:
             if self.idle_forward is not None:
                 self.idle_forward()
             return []
+        started = time.perf_counter()
         drafts = self._propose(plan) if self.speculator else {}
         layout = self._layout(plan, drafts)
         capture = self.speculator.capture_layers if self.speculator else ()
@@ -331,6 +333,7 @@ class LLMEngine:
                 seq = self.scheduler.get(req.seq_ids[child])
                 if seq is not None:
                     self.speculator.fork(req.seq_ids[0], seq.seq_id, seq.num_computed_tokens)
+            self.speculator.step_done(time.perf_counter() - started, layout.batch.num_tokens)
         outputs = [req.snapshot() for req in touched.values()]
         for out in outputs:
             if out.finished:
@@ -388,7 +391,8 @@ class LLMEngine:
     def _verify(self, req: _Request, index: int, seq: Sequence, draft, rows: torch.Tensor):
         output = req.completions[index].token_ids
         ctx = VerifyContext(req.params, _sub_seed(req.seed, index), seq.num_tokens, req.prompt_ids, output,
-                            lambda n: self._suppressed(req, n), seq.max_len - seq.num_tokens)
+                            lambda n: self._suppressed(req, n), seq.max_len - seq.num_tokens,
+                            trace=self.speculator.metrics.record_traces)
         result = verify(rows, draft.proposal, ctx)
         self.speculator.record(draft, result)
         return result

@@ -3,6 +3,8 @@
 Calibration data comes from the engine itself, decoding prompts with the DSpark drafter verifying whole
 blocks (threshold 0) at temperature 1, so every draft's survival at every position is observed under the
 distribution the scheduler will meet: drafts conditioned on the model's own output, rejection sampling.
+STS is fitted on the expected survival of each draft (see confidence.py); ECE is reported against both
+the expected and the observed (0/1) survival.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.spec.confidence import STSCalibration, fit_sts, survival_ece
+from deepinfer.spec.confidence import STSCalibration, fit_sts, survival_ece, survival_labels
 from deepinfer.spec.dspark_model import CALIBRATION_FILE
 from deepinfer.spec.metrics import DraftTrace, SpecDecodeStats
 
@@ -23,15 +25,24 @@ class TraceSet:
     confidence: torch.Tensor  # [N, K] raw confidences
     accepted: torch.Tensor  # [N]
     verified: torch.Tensor  # [N]
+    expected: torch.Tensor  # [N, K] expected survival of every token (whole blocks verified)
 
     @classmethod
     def from_traces(cls, traces: list[DraftTrace], positions: int) -> TraceSet:
-        full = [t for t in traces if len(t.confidence) == positions]  # drafts cut by max_len are dropped
-        conf = torch.tensor([t.confidence for t in full], dtype=torch.float64).view(len(full), positions)
-        return cls(conf, torch.tensor([t.accepted for t in full]), torch.tensor([t.verified for t in full]))
+        # Whole blocks only: drafts cut short (max_len) have no outcome for their last positions.
+        full = [t for t in traces if len(t.confidence) == positions and len(t.expected_survival) == positions]
+        n = len(full)
+        conf = torch.tensor([t.confidence for t in full], dtype=torch.float64).view(n, positions)
+        expected = torch.tensor([t.expected_survival for t in full], dtype=torch.float64).view(n, positions)
+        return cls(conf, torch.tensor([t.accepted for t in full]), torch.tensor([t.verified for t in full]), expected)
 
-    def ece(self, calibration: STSCalibration | None = None) -> list[float]:
-        return survival_ece(self.confidence, self.accepted, self.verified, calibration)
+    def outcomes(self, expected: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        survived, known = survival_labels(self.accepted, self.verified, self.confidence.shape[1])
+        return (self.expected, torch.ones_like(known)) if expected else (survived, known)
+
+    def ece(self, calibration: STSCalibration | None = None, expected: bool = False) -> list[float]:
+        """Per-position survival ECE against observed (0/1) or expected survival."""
+        return survival_ece(self.confidence, *self.outcomes(expected), calibration)
 
 
 def prompts_from_stream(stream: torch.Tensor, count: int, length: int, seed: int) -> list[list[int]]:
@@ -58,11 +69,14 @@ def collect_traces(target_dir: Path, drafter_dir: Path, prompts: list[list[int]]
 
 
 def calibrate(traces: TraceSet) -> tuple[STSCalibration, dict]:
-    """Fit STS; report per-position ECE of the survival before and after, on the same traces."""
-    calibration = fit_sts(traces.confidence, traces.accepted, traces.verified)
-    before, after = traces.ece(), traces.ece(calibration)
-    report = {"drafts": int(traces.confidence.shape[0]), "ece_before": before, "ece_after": after,
-              "mean_ece_before": sum(before) / len(before), "mean_ece_after": sum(after) / len(after)}
+    """Fit STS on expected survival; report per-position ECE before and after, on the same traces."""
+    calibration = fit_sts(traces.confidence, *traces.outcomes(expected=True))
+    report: dict = {"drafts": int(traces.confidence.shape[0]), "fitted_to": "expected survival"}
+    for label, expected in (("", True), ("_observed", False)):
+        before, after = traces.ece(expected=expected), traces.ece(calibration, expected=expected)
+        report.update({f"ece_before{label}": before, f"ece_after{label}": after,
+                       f"mean_ece_before{label}": sum(before) / len(before),
+                       f"mean_ece_after{label}": sum(after) / len(after)})
     return calibration, report
 
 

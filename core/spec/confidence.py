@@ -8,6 +8,11 @@ the raw scores are calibrated on held-out drafts: for k = 1..K in order, a 1-D g
 temperature T_k of c_k -> sigmoid(logit(c_k) / T_k) that minimises the ECE of a_k against the observed
 survival (tokens 1..k all accepted), the already calibrated positions < k held fixed. Temperature scaling
 preserves each position's ranking.
+
+Outcomes may be observed survival (0/1) or expected survival: given the drafts, token k survives with
+probability prod_{i<k} min(1, p_i(d_i) / q_i(d_i)) * (1 - TV(p_k, q_k)), the same mean for every confidence
+value with far less noise, so a fit on a few thousand drafts does not chase sampling noise (the ECE of a
+perfectly calibrated predictor against 0/1 outcomes is about 2% at that size).
 """
 
 from __future__ import annotations
@@ -52,10 +57,10 @@ def expected_calibration_error(pred: torch.Tensor, outcome: torch.Tensor, bins: 
 
 
 def survival_labels(accepted: torch.Tensor, verified: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(survived [N, K], known [N, K]): token k survived iff accepted >= k; the outcome is known when token k
-    was verified or an earlier token was already rejected."""
+    """(survived [N, K] 0/1 float, known [N, K] bool): token k survived iff accepted >= k; the outcome is known
+    when token k was verified or an earlier token was already rejected."""
     k = torch.arange(1, positions + 1)
-    survived = accepted[:, None] >= k[None, :]
+    survived = (accepted[:, None] >= k[None, :]).double()
     known = (verified[:, None] >= k[None, :]) | (accepted < verified)[:, None]
     return survived, known
 
@@ -97,25 +102,23 @@ class STSCalibration:
         return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
 
 
-def survival_ece(conf: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor,
+def survival_ece(conf: torch.Tensor, survived: torch.Tensor, known: torch.Tensor,
                  calibration: STSCalibration | None = None) -> list[float]:
-    """Per-position ECE of the cumulative survival a_k against observed survival, over drafts whose outcome
-    at k is known. conf [N, K] raw confidences; accepted, verified [N]."""
+    """Per-position ECE of the cumulative survival a_k against (observed or expected) survival [N, K], over
+    drafts whose outcome at k is known. conf [N, K] raw confidences."""
     positions = conf.shape[1]
     c = calibration.calibrate(conf) if calibration is not None else conf
     a = torch.cumprod(c.double(), dim=1)
-    survived, known = survival_labels(accepted, verified, positions)
     return [expected_calibration_error(a[known[:, k], k], survived[known[:, k], k].double()) for k in range(positions)]
 
 
-def fit_sts(conf: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor,
+def fit_sts(conf: torch.Tensor, survived: torch.Tensor, known: torch.Tensor,
             grid: torch.Tensor | None = None) -> STSCalibration:
     """Fit per-position temperatures left to right (see the module docstring)."""
     if conf.dim() != 2 or conf.shape[0] == 0:
         raise ConfigError(f"STS needs confidences [N > 0, K], got shape {tuple(conf.shape)}")
     grid = grid if grid is not None else torch.logspace(math.log10(0.05), math.log10(20.0), 241)
     positions = conf.shape[1]
-    survived, known = survival_labels(accepted, verified, positions)
     prefix = torch.ones(conf.shape[0], dtype=torch.float64)
     temps: list[float] = []
     for k in range(positions):

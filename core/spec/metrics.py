@@ -55,6 +55,7 @@ class DraftTrace:
     confidence: tuple[float, ...]
     verified: int
     accepted: int
+    expected_survival: tuple[float, ...] = ()  # per verified token (see verifier.VerifyResult)
 
 
 @dataclass
@@ -79,7 +80,8 @@ class SpecDecodeMetrics:
         self.accepted, self.verified, self.reached = [0] * k, [0] * k, [0] * k
         self.traces = []
 
-    def record(self, proposed: int, verified: int, accepted: int, confidence: list[float] | None = None) -> None:
+    def record(self, proposed: int, verified: int, accepted: int, confidence: list[float] | None = None,
+               expected_survival: tuple[float, ...] = ()) -> None:
         self.num_drafts += 1
         self.num_proposed_tokens += proposed
         self.num_draft_tokens += verified
@@ -91,7 +93,7 @@ class SpecDecodeMetrics:
         for k in range(accepted):
             self.accepted[k] += 1
         if self.record_traces and confidence is not None:
-            self.traces.append(DraftTrace(tuple(confidence), verified, accepted))
+            self.traces.append(DraftTrace(tuple(confidence), verified, accepted, tuple(expected_survival)))
 
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_proposed_tokens, self.num_draft_tokens,

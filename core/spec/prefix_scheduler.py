@@ -11,7 +11,10 @@ draft tokens are admitted across the whole batch in descending a_{r,j} while tau
 stopping at the first admission that does not raise it (the early stop is what keeps it causal). SPS(B)
 comes from sps_profile.SPSCurve, whose time curve is made convex so that the objective is unimodal and the
 early stop finds the same optimum a global search would (the paper's sec. 5.2 reaches jagged curves by an
-asynchronous global search instead; this engine is synchronous, so it keeps the causal form).
+asynchronous global search instead; this engine is synchronous, so it keeps the causal form). The profile
+times the target forward alone; `overhead` adds the rest of an engine step (drafting, sampling, scheduling),
+measured on past steps, so that SPS is the engine's steps per second as the paper defines it. A constant
+added to a convex time keeps the objective unimodal.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ def threshold_lengths(confidences: Sequence[Sequence[float]], threshold: float) 
 
 
 def hardware_aware_lengths(confidences: Sequence[Sequence[float]], curve: SPSCurve, base_tokens: int,
-                           base_accepts: float) -> list[int]:
+                           base_accepts: float, overhead: float = 0.0) -> list[int]:
     """Algorithm 1. base_tokens: tokens of the step before any draft (>= 1); base_accepts: tokens the step
-    yields for sure (one per sampling sequence)."""
+    yields for sure (one per sampling sequence); overhead: seconds a step spends outside the forward."""
     if base_tokens < 1:
         raise ConfigError(f"hardware-aware scheduling needs base_tokens >= 1, got {base_tokens}")
     candidates = []
@@ -60,9 +63,13 @@ def hardware_aware_lengths(confidences: Sequence[Sequence[float]], curve: SPSCur
     candidates.sort()  # descending survival; ties by request then position, so prefixes stay prefixes
     lengths = [0] * len(confidences)
     batch, tau = base_tokens, float(base_accepts)
-    best = tau * curve.sps(batch)
+
+    def sps(tokens: int) -> float:
+        return 1.0 / (curve.time(tokens) + overhead)
+
+    best = tau * sps(batch)
     for neg_a, r, j in candidates:
-        theta = (tau - neg_a) * curve.sps(batch + 1)
+        theta = (tau - neg_a) * sps(batch + 1)
         if not theta > best:
             break
         batch, tau, best = batch + 1, tau - neg_a, theta
@@ -87,7 +94,7 @@ class PrefixScheduler:
             raise ConfigError("the hardware-aware prefix scheduler needs an SPS curve")
 
     def lengths(self, confidences: Sequence[Sequence[float] | None], proposed: Sequence[int], base_tokens: int,
-                base_accepts: float) -> list[int]:
+                base_accepts: float, overhead: float = 0.0) -> list[int]:
         """Verification lengths; a request without confidences keeps its whole proposal."""
         if self.mode == "fixed":
             return list(proposed)
@@ -100,7 +107,7 @@ class PrefixScheduler:
             cut = threshold_lengths(conf, self.threshold)
         else:
             unscored = sum(proposed[i] for i in range(len(proposed)) if confidences[i] is None)
-            cut = hardware_aware_lengths(conf, self.curve, base_tokens + unscored, base_accepts)
+            cut = hardware_aware_lengths(conf, self.curve, base_tokens + unscored, base_accepts, overhead)
         for i, n in zip(scored, cut):
             out[i] = n
         return out

@@ -44,6 +44,18 @@ class Speculator:
         self.drafter = drafter
         self.scheduler = scheduler
         self.metrics = metrics or SpecDecodeMetrics(drafter.max_draft_tokens)
+        self.step_overhead = 0.0  # seconds per step outside the target forward (moving average), for Algorithm 1
+        self._steps_timed = 0
+
+    def step_done(self, seconds: float, num_tokens: int) -> None:
+        """A whole engine step took `seconds` for a forward of num_tokens: learn the time the SPS profile (the
+        forward alone) leaves out."""
+        if self.scheduler.curve is None:
+            return
+        rest = max(0.0, seconds - self.scheduler.curve.time(num_tokens))
+        self._steps_timed += 1
+        weight = max(0.05, 1.0 / self._steps_timed)  # a plain mean at first, then an exponential average
+        self.step_overhead += weight * (rest - self.step_overhead)
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -68,7 +80,8 @@ class Speculator:
                 confidences.append(calib.calibrate(torch.tensor(p.confidence, dtype=torch.float64)).tolist())
             else:
                 confidences.append(list(p.confidence))
-        lengths = self.scheduler.lengths(confidences, [len(p.tokens) for p in proposals], base_tokens, base_accepts)
+        lengths = self.scheduler.lengths(confidences, [len(p.tokens) for p in proposals], base_tokens, base_accepts,
+                                         self.step_overhead)
         drafts = {}
         for req, p, n in zip(requests, proposals, lengths):
             if p.tokens:
@@ -76,7 +89,8 @@ class Speculator:
         return drafts
 
     def record(self, draft: Draft, result: VerifyResult) -> None:
-        self.metrics.record(draft.num_proposed, len(draft.proposal.tokens), result.num_accepted, draft.raw_confidence)
+        self.metrics.record(draft.num_proposed, len(draft.proposal.tokens), result.num_accepted, draft.raw_confidence,
+                            result.expected_survival)
 
     def observe(self, observations: list[Observation], hidden: torch.Tensor, captured: tuple[torch.Tensor, ...]) -> None:
         self.drafter.observe(observations, hidden, captured)

@@ -38,9 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="target activation dtype (default: the engine's default for the checkpoint)")
     p.add_argument("--calib-fraction", type=float, default=0.05, help="share of the data files kept for calibration")
-    p.add_argument("--calib-prompts", type=int, default=128, help="prompts decoded to collect calibration drafts")
+    p.add_argument("--calib-prompts", type=int, default=512, help="prompts decoded to collect calibration drafts")
     p.add_argument("--calib-tokens", type=int, default=64, help="tokens generated per calibration prompt")
     p.add_argument("--no-calibrate", action="store_true", help="skip STS calibration")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="no training: refit the STS calibration of the drafter already in --out")
     p.add_argument("--pool-windows", type=int, default=512,
                    help="windows whose target features are computed once and reused with fresh anchors (0: run "
                         "the target at every step)")
@@ -57,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, markov_rank=args.markov_rank, window=args.window, target_layers=layers, lr=args.lr,
         seed=args.seed, backend=args.backend, dtype=args.dtype, calib_fraction=args.calib_fraction,
         calib_prompts=args.calib_prompts, calib_tokens=args.calib_tokens, calibrate=not args.no_calibrate,
-        pool_windows=args.pool_windows,
+        pool_windows=args.pool_windows, calibrate_only=args.calibrate_only,
     ))
     return 0

@@ -42,20 +42,24 @@ class TrainDSparkOptions:
     backend: str | None = None
     dtype: str | None = None
     calib_fraction: float = 0.05
-    calib_prompts: int = 128
+    calib_prompts: int = 512
     calib_tokens: int = 64
     calibrate: bool = True
     pool_windows: int = 512  # windows whose target features are computed once (0: run the target every step)
+    calibrate_only: bool = False  # refit the calibration of the drafter already in `out`
     num_heads: int = 4  # not on the CLI: tests shrink the drafter
     intermediate_size: int | None = None
 
     def command(self) -> str:
         budget = f"--steps {self.steps}" if self.steps else f"--time-budget {self.time_budget:g}"
+        if self.calibrate_only:
+            budget = "--calibrate-only"
         parts = ["deepinfer train-dspark", f"--target {self.target}", f"--data {' '.join(self.data)}",
                  f"--out {self.out}", budget]
         defaults = TrainDSparkOptions(self.target, self.data, self.out)
         for f in dataclasses.fields(self):
-            if f.name in ("target", "data", "out", "steps", "time_budget", "calibrate", "num_heads", "intermediate_size"):
+            if f.name in ("target", "data", "out", "steps", "time_budget", "calibrate", "num_heads", "intermediate_size",
+                          "calibrate_only"):
                 continue
             value = getattr(self, f.name)
             if value != getattr(defaults, f.name):
@@ -76,26 +80,50 @@ def _hardware() -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def _calibrate(opts: TrainDSparkOptions, target: Path, out: Path, calib_stream: torch.Tensor,
+               log: Callable[[str], None]) -> dict:
+    prompts = prompts_from_stream(calib_stream, opts.calib_prompts, 64, opts.seed)
+    traces, stats = collect_traces(target, out, prompts, opts.calib_tokens, seed=opts.seed, backend=opts.backend,
+                                   dtype=opts.dtype)
+    calibration, report = calibrate(traces)
+    report["mean_accepted_length"] = stats.mean_accepted_length
+    write_calibration(out, calibration, report)
+    log(f"STS: temperatures {[round(t, 3) for t in calibration.temperatures]}; mean survival ECE (expected / observed) "
+        f"{report['mean_ece_before']:.4f} / {report['mean_ece_before_observed']:.4f} -> {report['mean_ece_after']:.4f} / "
+        f"{report['mean_ece_after_observed']:.4f} over {report['drafts']} drafts (in-sample)")
+    return report
+
+
 def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = print) -> dict:
     from deepinfer.config import ModelConfig
     from deepinfer.model.loader import load_model
     from deepinfer.registry import load_backend
 
     t0 = time.perf_counter()
-    target = Path(opts.target)
+    target, out = Path(opts.target), Path(opts.out)
     config = ModelConfig.from_hf_dir(target)
     if not (target / "tokenizer.json").exists():
         raise ConfigError(f"{target} has no tokenizer.json: train-dspark tokenises --data with the target's tokenizer")
     layers = opts.target_layers or default_target_layers(config.num_hidden_layers)
     if any(not 0 <= i < config.num_hidden_layers for i in layers):
         raise ConfigError(f"--target-layers {layers}: the target has layers 0..{config.num_hidden_layers - 1}")
+    split = split_files(resolve_files(opts.data, target), opts.calib_fraction, opts.seed)
+    calib_stream = encode_files(target / "tokenizer.json", split.calibration or split.train)
+
+    if opts.calibrate_only:  # refit STS of the drafter already in --out (same data split, same seed)
+        summary_path = out / "train_summary.json"
+        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else {}
+        summary["calibration"] = _calibrate(opts, target, out, calib_stream, log)
+        summary["calibration_command"] = opts.command()
+        if "drafter" in summary:
+            summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+            (out / "README.md").write_text(_readme(summary), encoding="utf-8")
+        return summary
+
     backend = load_backend(opts.backend)
     model = load_model(target, backend, config=config, dtype=_DTYPES.get(opts.dtype) if opts.dtype else None,
                        load_mtp=False, progress=False)
-
-    split = split_files(resolve_files(opts.data, target), opts.calib_fraction, opts.seed)
     train_stream = encode_files(target / "tokenizer.json", split.train)
-    calib_stream = encode_files(target / "tokenizer.json", split.calibration or split.train)
     log(f"data: {len(split.train)} training files ({train_stream.numel():,} tokens), "
         f"{len(split.calibration)} calibration files ({calib_stream.numel():,} tokens)")
 
@@ -117,29 +145,17 @@ def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = prin
         pool = FeaturePool(runner, train_stream, opts.pool_windows, torch.Generator().manual_seed(opts.seed + 3), log)
     trainer = DSparkTrainer(drafter, runner, settings, pool)
     history = train(trainer, train_stream, log)
-    steps = trainer.step_num
     train_seconds = time.perf_counter() - t0
     figures = evaluate(drafter, runner, calib_stream, trainer.s)
     log(f"calibration-split figures (teacher-forced): {json.dumps({k: [round(x, 3) for x in v] for k, v in figures.items()})}")
-    out = Path(opts.out)
     save_dspark(out, drafter)
-
-    report = None
-    if opts.calibrate:
-        prompts = prompts_from_stream(calib_stream, opts.calib_prompts, 64, opts.seed)
-        traces, stats = collect_traces(target, out, prompts, opts.calib_tokens, seed=opts.seed, backend=opts.backend,
-                                       dtype=opts.dtype)
-        calibration, report = calibrate(traces)
-        report["mean_accepted_length"] = stats.mean_accepted_length
-        write_calibration(out, calibration, report)
-        log(f"STS: temperatures {[round(t, 3) for t in calibration.temperatures]}; mean survival ECE "
-            f"{report['mean_ece_before']:.4f} -> {report['mean_ece_after']:.4f} over {report['drafts']} drafts")
+    report = _calibrate(opts, target, out, calib_stream, log) if opts.calibrate else None
 
     summary = {
         "command": opts.command(), "date": datetime.date.today().isoformat(), "hardware": _hardware(),
         "torch": torch.__version__, "target": str(target), "drafter": dcfg.to_json(),
         "parameters": sum(p.numel() for p in drafter.trainable_parameters()),
-        "settings": dataclasses.asdict(trainer.s), "steps": steps, "seconds": round(train_seconds, 1),
+        "settings": dataclasses.asdict(trainer.s), "steps": trainer.step_num, "seconds": round(train_seconds, 1),
         "data": {"train_files": len(split.train), "train_tokens": int(train_stream.numel()),
                  "calibration_files": len(split.calibration), "calibration_tokens": int(calib_stream.numel())},
         "history": history, "calibration_split_figures": figures, "calibration": report,
@@ -171,7 +187,10 @@ def _readme(s: dict) -> str:
         "| mean raw confidence | " + " | ".join(f"{x:.3f}" for x in f["conf"]) + " |", "",
     ]
     if cal:
-        lines += [f"STS calibration on {cal['drafts']} whole-block drafts decoded at T=1: mean survival ECE "
-                  f"{cal['mean_ece_before']:.4f} before, {cal['mean_ece_after']:.4f} after (in-sample); mean accepted "
-                  f"length {cal['mean_accepted_length']:.3f} with whole blocks.", ""]
+        lines += [f"STS calibration{' (`' + s['calibration_command'] + '`)' if 'calibration_command' in s else ''} on "
+                  f"{cal['drafts']} whole-block drafts decoded at T=1 from calibration-split prompts, fitted to expected "
+                  f"survival: mean survival ECE against expected survival {cal['mean_ece_before']:.2%} before, "
+                  f"{cal['mean_ece_after']:.2%} after; against observed 0/1 survival {cal['mean_ece_before_observed']:.2%} "
+                  f"before, {cal['mean_ece_after_observed']:.2%} after (in-sample). Mean accepted length with whole "
+                  f"blocks: {cal['mean_accepted_length']:.3f}.", ""]
     return "\n".join(lines)

@@ -37,12 +37,16 @@ class VerifyContext:
     output_ids: Sequence[int]
     suppressed: Callable[[int], Sequence[int]]
     room: int
+    trace: bool = False  # also compute every draft's expected survival (calibration data; costs more)
 
 
 @dataclass(frozen=True)
 class VerifyResult:
     tokens: list[int]  # accepted drafts, then the target's token (cut to the sequence's room)
     num_accepted: int  # drafts among `tokens`
+    # With ctx.trace: per verified draft k, the probability that d_1..d_k all survive given the drafts
+    # d_1..d_{k-1}: prod_{i<k} min(1, p_i(d_i) / q_i(d_i)) * sum_v min(p_k(v), q_k(v)).
+    expected_survival: tuple[float, ...] = ()
 
     @property
     def num_target_tokens(self) -> int:
@@ -67,7 +71,7 @@ def _needs_processing(ctx: VerifyContext, n: int) -> bool:
     return any(ctx.suppressed(len(ctx.output_ids) + i) for i in range(n + 1))
 
 
-def _greedy(rows: torch.Tensor, drafts: list[int], ctx: VerifyContext) -> tuple[list[int], int]:
+def _greedy(rows: torch.Tensor, drafts: list[int], ctx: VerifyContext) -> tuple[list[int], int, tuple[float, ...]]:
     n = len(drafts)
     if _needs_processing(ctx, n):
         picks = [int(torch.argmax(_processed(rows[i], ctx, drafts, i))) for i in range(n + 1)]
@@ -76,25 +80,41 @@ def _greedy(rows: torch.Tensor, drafts: list[int], ctx: VerifyContext) -> tuple[
     accepted = 0
     while accepted < n and drafts[accepted] == picks[accepted]:
         accepted += 1
-    return drafts[:accepted] + [picks[accepted]], accepted
+    survival = tuple(float(accepted >= k) for k in range(1, n + 1)) if ctx.trace else ()
+    return drafts[:accepted] + [picks[accepted]], accepted, survival
 
 
-def _rejection(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext) -> tuple[list[int], int]:
+def _distributions(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext, i: int,
+                   batched: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_i, q_i): the target's processed distribution after d_1..d_i and the draft's for d_{i+1}."""
+    d = proposal.tokens[i]
+    p = batched[i] if batched is not None else apply_filters(_processed(rows[i], ctx, proposal.tokens, i), ctx.params).softmax(-1)
+    if proposal.probs is not None:
+        q = proposal.probs[i].to(p.device, torch.float32)
+    else:  # a deterministic draft is a point mass
+        q = torch.zeros_like(p)
+        q[d] = 1.0
+    return p, q
+
+
+def _expected_survival(rows, proposal, ctx, batched) -> tuple[float, ...]:
+    out, prefix = [], 1.0
+    for i, d in enumerate(proposal.tokens):
+        p, q = _distributions(rows, proposal, ctx, i, batched)
+        out.append(prefix * float(torch.minimum(p, q).sum()))
+        prefix *= min(1.0, float(p[d]) / float(q[d]))
+    return tuple(out)
+
+
+def _rejection(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext) -> tuple[list[int], int, tuple[float, ...]]:
     drafts = proposal.tokens
     batched = None
     if drafts and temperature_only(ctx.params) and not _needs_processing(ctx, len(drafts)):
         batched = (rows[: len(drafts)].float() / ctx.params.temperature).softmax(-1)  # one op for every row
+    survival = _expected_survival(rows, proposal, ctx, batched) if ctx.trace else ()
     for i, d in enumerate(drafts):
         pos = ctx.position + i
-        if batched is not None:
-            p = batched[i]
-        else:
-            p = apply_filters(_processed(rows[i], ctx, drafts, i), ctx.params).softmax(-1)
-        if proposal.probs is not None:
-            q = proposal.probs[i].to(p.device, torch.float32)
-        else:  # a deterministic draft is a point mass
-            q = torch.zeros_like(p)
-            q[d] = 1.0
+        p, q = _distributions(rows, proposal, ctx, i, batched)
         qd, pd = float(q[d]), float(p[d])
         if qd <= 0.0:
             raise SpeculativeError(f"draft token {d} at position {pos} has zero draft probability")
@@ -104,12 +124,12 @@ def _rejection(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext) -> tu
         total = float(residual.sum())
         # total is 0 only when p == q, where rejection has probability 0; guard float round-off anyway.
         token = draw(residual / total if total > 0 else p, ctx.seed, pos, "residual")
-        return drafts[:i] + [token], i
+        return drafts[:i] + [token], i, survival
     n = len(drafts)
     out = list(ctx.output_ids) + drafts
     bonus = sample_token(rows[n], ctx.params, ctx.seed, ctx.position + n, ctx.prompt_ids, out,
                          ctx.suppressed(len(ctx.output_ids) + n))
-    return drafts + [bonus], n
+    return drafts + [bonus], n, survival
 
 
 def verify(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext) -> VerifyResult:
@@ -120,8 +140,8 @@ def verify(rows: torch.Tensor, proposal: Proposal, ctx: VerifyContext) -> Verify
     if ctx.room < 1:
         raise SpeculativeError("verify: the sequence has no room for another token")
     if ctx.params.greedy:
-        tokens, accepted = _greedy(rows, proposal.tokens, ctx)
+        tokens, accepted, survival = _greedy(rows, proposal.tokens, ctx)
     else:
-        tokens, accepted = _rejection(rows, proposal, ctx)
+        tokens, accepted, survival = _rejection(rows, proposal, ctx)
     tokens = tokens[: ctx.room]
-    return VerifyResult(tokens, min(accepted, len(tokens) - 1))
+    return VerifyResult(tokens, min(accepted, len(tokens) - 1), survival)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from deepinfer.errors import ConfigError
-from deepinfer.spec.confidence import STSCalibration, expected_calibration_error, fit_sts, survival_ece
+from deepinfer.spec.confidence import (STSCalibration, expected_calibration_error, fit_sts, survival_ece,
+                                       survival_labels)
 from deepinfer.spec.prefix_scheduler import PrefixScheduler, hardware_aware_lengths, survival, threshold_lengths
 from deepinfer.spec.sps_profile import SPSCurve, load_or_profile, profile
 
@@ -112,9 +113,10 @@ def test_ece_and_sts_fix_overconfidence():
     survive = torch.rand(n, k, generator=gen) < true_c
     accepted = torch.where(survive.all(1), torch.tensor(k), (~survive).float().argmax(1))
     verified = torch.full((n,), k)
-    before = survival_ece(raw, accepted, verified)
-    calib = fit_sts(raw, accepted, verified)
-    after = survival_ece(raw, accepted, verified, calib)
+    survived, known = survival_labels(accepted, verified, k)
+    before = survival_ece(raw, survived, known)
+    calib = fit_sts(raw, survived, known)
+    after = survival_ece(raw, survived, known, calib)
     assert min(before) > 0.03 and max(after) < 0.02
     assert calib.temperatures[0] == pytest.approx(2.5, rel=0.25)
     ranked = calib.calibrate(raw)

@@ -67,6 +67,13 @@ def test_train_dspark_command(target_with_tokenizer, tmp_path):
     calib = json.loads((out / "calibration.json").read_text())
     assert len(calib["temperatures"]) == 3 and calib["fitted_on"]["drafts"] > 0
     assert "DSpark drafter" in (out / "README.md").read_text()
+    weights = (out / "model.safetensors").read_bytes()
+    assert main(["train-dspark", "--target", str(folder), "--data", str(data), "--out", str(out), "--calibrate-only",
+                 "--calib-fraction", "0.25", "--calib-prompts", "4", "--calib-tokens", "10", "--backend", "reference",
+                 "--dtype", "float32"]) == 0
+    again = json.loads((out / "train_summary.json").read_text())
+    assert (out / "model.safetensors").read_bytes() == weights and "--calibrate-only" in again["calibration_command"]
+    assert again["history"] == summary["history"] and again["calibration"]["drafts"] > 0
 
     prompts = [[0, 5 + i, 9, 14] for i in range(4)]
     reqs = [(f"p{i}", p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]

@@ -101,6 +101,26 @@ def test_rejection_sampling_reproduces_the_target_distribution(name, k, cut, tem
     assert chi_square_pvalue(samples, target_joint(params)) > 1e-3, name
 
 
+def test_expected_survival_is_the_mean_of_observed_survival():
+    """The calibration label: prod_{i<k} min(1, p/q)(d_i) * (1 - TV_k) averages to the observed survival."""
+    params = SamplingParams(temperature=1.0)
+    expected, observed = torch.zeros(3), torch.zeros(3)
+    n = 4000
+    for seed in range(n):
+        drafts, qs, last = [], [], 0
+        for i in range(3):
+            q = torch.softmax(DRAFT[last], -1)
+            drafts.append(draw(q, seed, 1 + i, "draft"))
+            qs.append(q)
+            last = drafts[-1]
+        rows = torch.stack([TARGET[t] for t in [0] + drafts])
+        c = VerifyContext(params, seed, 1, [0], [], lambda m: (), 100, trace=True)
+        r = verify(rows, Proposal(drafts, torch.stack(qs)), c)
+        expected += torch.tensor(r.expected_survival)
+        observed += (torch.arange(1, 4) <= r.num_accepted).float()
+    assert torch.allclose(expected / n, observed / n, atol=0.02)
+
+
 def test_an_anticipating_cut_is_biased_and_the_test_sees_it():
     """The paper's appendix A: admitting d_1 only when d_1 itself looks good skews the output distribution."""
     params = SamplingParams(temperature=1.0)

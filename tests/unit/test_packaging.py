@@ -63,5 +63,6 @@ def test_wheel_contains_every_package_and_entry_point(tmp_path):
     assert not any(n.startswith(("core/", "backends/")) for n in names), "folders must be installed under deepinfer/"
     # The embedded default model is package data of deepinfer.models: every file of its folder ships.
     model_dir = ROOT / "core" / "models" / "deepseek_v3_tiny"
-    for f in model_dir.iterdir():
-        assert f"deepinfer/models/deepseek_v3_tiny/{f.name}" in names, f"{f.name} of the embedded model is missing from the wheel"
+    for f in (p for p in model_dir.rglob("*") if p.is_file()):  # dspark/ (its drafter) included
+        rel = f.relative_to(model_dir).as_posix()
+        assert f"deepinfer/models/deepseek_v3_tiny/{rel}" in names, f"{rel} of the embedded model is missing from the wheel"
