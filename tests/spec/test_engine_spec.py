@@ -14,7 +14,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.spec.sps_profile import SPSCurve
 
-from helpers import RecordingDrafter, engine, random_dspark, run, scripted_speculator
+from spec_helpers import RecordingDrafter, engine, random_dspark, run, scripted_speculator
 
 VOCAB = 96
 SPS_TABLE = ((1, 0.010), (4, 0.011), (16, 0.014), (64, 0.030), (256, 0.100))

@@ -12,7 +12,7 @@ from deepinfer.spec.data import encode_files, resolve_files, split_files
 from deepinfer.spec.train import DSparkTrainSettings
 from deepinfer.spec.train_pipeline import default_target_layers
 
-from helpers import engine, run
+from spec_helpers import engine, run
 from tiny_checkpoints import build_hf_model
 
 TEXTS = [
