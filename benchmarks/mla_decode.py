@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+from gpu_timing import ceilings, events_median, graph_of
 
 SHAPES = [(64, 4096, 128), (128, 4096, 16), (16, 32768, 128), (32, 65536, 16), (1, 65536, 128)]
 # FlashMLA SM90 dense decode on this H200 (bf16 cache, ANCHORS.md): ms per call.
@@ -37,41 +38,6 @@ SWEEP = {  # third round on the H200 (2026-11-29); ",fold,cvt" suffixes select t
     ("fp8_e4m3", 128): [("", None), ("64,32,8,2,0,1", None), ("64,64,8,2,0,0", None)],
 }
 RANK, ROPE, BS = 512, 64, 64
-
-
-def events_median(fn, reps, flush=None):
-    times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        times.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
-
-
-def graph_of(fn):
-    fn()  # compile / allocate outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def ceilings():
-    x = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()
-    read = 2**32 / (events_median(lambda: x.sum(), 10) * 1e-3) / 1e9
-    src, dst = x[: 2**30], torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    copy = 2 * 2**31 / (events_median(lambda: dst.copy_(src), 10) * 1e-3) / 1e9
-    del x, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / (events_median(lambda: a @ b, 10) * 1e-3) / 1e12
-    return read, copy, mm
 
 
 def make_case(be, batch_size, ctx, heads, kv_dtype, gen):

@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.errors import InvalidInputError
 from deepinfer.quant import FP8_BLOCK, cdiv
+from deepinfer.transfer import to_device_many
 
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.uint8}
 
@@ -157,13 +158,16 @@ class AttentionPlan:
                 p = positions[k]
                 slots.append(batch.block_tables[i][p // bs] * bs + p % bs)
                 k += 1
+        flat_table = [b for row in table for b in row]
+        starts_t, lens_t, table_t, slots_t, pos_t = to_device_many(
+            [starts, batch.seq_lens, flat_table, slots, positions], torch.int64, device)
         return cls(
             batch=batch,
             spec=spec,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
-            block_table=torch.tensor(table, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            query_start_loc=starts_t.to(torch.int32),
+            seq_lens=lens_t.to(torch.int32),
+            block_table=table_t.to(torch.int32).view(len(table), width),
+            slot_mapping=slots_t,
+            positions=pos_t,
             **extra,
         )

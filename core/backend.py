@@ -118,7 +118,11 @@ class Backend(ABC):
 
     @abstractmethod
     def plan_attention(self, batch: AttentionBatch, spec: KVCacheSpec) -> AttentionPlan:
-        """Host work once per step: validate the batch and build the device metadata all layers reuse."""
+        """Host work once per step: validate the batch and build the device metadata all layers reuse.
+
+        A backend advertising `graph_capture` also takes keyword arguments `max_seq_len` (a plan whose
+        buffers hold sequences growing up to that length, to capture in a CUDA graph) and `into` (rewrite
+        such a plan's device tensors in place for a later step with the same query lengths)."""
 
     @abstractmethod
     def write_cache(self, plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:

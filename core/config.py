@@ -373,6 +373,10 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     batch_invariant: bool = False
+    # CUDA graphs for decode steps (backends that capture graphs, on a GPU): batch sizes 1, 2, 4, 8 and
+    # multiples of 16 up to this (and max_num_seqs); larger batches and prefill run eagerly.
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int = Field(default=256, gt=0)
     load_mtp: bool = True
     progress: bool = True
     # Expert parallelism (one engine per rank: deepinfer.engine.expert_parallel) and EPLB.

@@ -170,7 +170,8 @@ def plan_mla(
     elif split_tokens is not None:
         split = _check_split(split_tokens)
     else:
-        splittable = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
+        # A plan captured for a graph serves every length up to max_seq_len: size splits for half of it.
+        splittable = [max(s, cap_len // 2) for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
         split = choose_split_tokens(splittable, device)
     dec, pre, seq_split, slots = _schedule(batch, split, cap_len)
     width = max(cdiv(cap_len, spec.block_size), common["block_table"].shape[1])  # room to grow (graphs)

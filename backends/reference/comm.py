@@ -35,6 +35,10 @@ class _State:
     recv_order: torch.Tensor | None = None
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _world(group: Any) -> tuple[int, int]:
     """(world size, rank) of `group`; (1, 0) when torch.distributed is not in use."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -49,8 +53,9 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     check_same_length("x", x, "topk_ids", topk_ids)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise InvalidInputError(f"num_experts must be a positive int, got {num_experts!r}")
-    # A value check (host sync), acceptable for the reference: bad ids would silently misroute rows.
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+    # A value check (a host sync): bad ids would silently misroute rows. Skipped while a CUDA graph is being
+    # captured (a sync is illegal there); the ids then come from the model's own routing.
+    if topk_ids.numel() and not _capturing(x) and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise InvalidInputError(f"topk_ids must lie in [0, {num_experts}), got values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
     world, rank = _world(group)
     if num_experts % world:
@@ -61,7 +66,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     order = torch.argsort(ids, stable=True)  # grouped by expert, hence by owning rank (owners are contiguous)
     rows = x.index_select(0, order // top_k)
     if world == 1:
-        sizes = torch.bincount(ids, minlength=num_experts)
+        # scatter_add, not bincount: bincount reads the maximum back to the host, which graphs forbid.
+        sizes = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, ids, torch.ones_like(ids))
         state = _State(order, topk_weights, x.dtype)
         return Pending.ready(Dispatched(rows, sizes, 0, state))
 

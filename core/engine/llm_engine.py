@@ -21,8 +21,9 @@ from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
 from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.runner import ModelRunner
-from deepinfer.engine.sampler import position_logprobs, sample_token
+from deepinfer.engine.sampler import needs_row_processing, position_logprobs, sample_rows, sample_token
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.sequence import Sequence, SequenceStatus
@@ -139,7 +140,7 @@ class LLMEngine:
         act = model.embed_tokens.dtype
         kv_dtype = engine_config.kv_cache_dtype or {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
         spec = self._size_cache(kv_dtype)
-        self.runner = ModelRunner(model, backend, spec)
+        self.runner = ModelRunner(model, backend, spec, self._graph_batch_sizes(), self.max_model_len)
         from deepinfer.spec.speculator import build_speculator
 
         self.speculator = speculator or build_speculator(engine_config, model, self.runner, type(backend).__name__)
@@ -148,7 +149,7 @@ class LLMEngine:
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=engine_config.block_size,
-            num_blocks=spec.num_blocks,
+            num_blocks=self.runner.num_usable_blocks,
             enable_prefix_caching=engine_config.enable_prefix_caching,
             enable_chunked_prefill=engine_config.enable_chunked_prefill,
             num_lookahead_slots=self.speculator.num_lookahead_slots if self.speculator else 0,
@@ -207,9 +208,16 @@ class LLMEngine:
                     num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
         return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
 
+    def _graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes to capture: none when eager is forced or the backend cannot capture on a GPU."""
+        ec = self.engine_config
+        if ec.enforce_eager or not self.backend.capabilities.graph_capture or self.backend.device.type != "cuda":
+            return ()
+        return default_batch_sizes(min(ec.cuda_graph_max_batch_size, ec.max_num_seqs))
+
     @property
     def num_cache_tokens(self) -> int:
-        return self.runner.spec.num_blocks * self.runner.spec.block_size
+        return self.runner.num_usable_blocks * self.runner.spec.block_size
 
     # --- requests ---------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -275,7 +283,7 @@ class LLMEngine:
             prefix_cache_hit_rate=s.prefix_cache_hit_rate, prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_queries=s.prefix_cache_queries, preemptions=s.num_preemptions,
             prompt_tokens=s.num_prompt_tokens_computed, generated_tokens=self._generated_tokens,
-            num_blocks=self.runner.spec.num_blocks, free_blocks=self.scheduler.block_manager.num_free_blocks,
+            num_blocks=self.runner.num_usable_blocks, free_blocks=self.scheduler.block_manager.num_free_blocks,
             spec_decode=self.speculator.metrics.snapshot() if self.speculator else None,
         )
 
@@ -301,20 +309,24 @@ class LLMEngine:
         sample_row: dict[str, int] = {}
         forks: list[tuple[_Request, int, int, int]] = []
         accepted: dict[str, int] = {}
+        draws: list[tuple[_Request, int, Sequence, int]] = []  # (request, completion, sequence, logit row)
         for row_index, item in layout.sample_rows:
             req, index = self._seq_owner[item.seq.seq_id]
             draft = drafts.get(item.seq.seq_id)
+            sample_row[item.seq.seq_id] = row_index
             if draft is not None:  # speculative: rows for the anchor and each draft
                 result = self._verify(req, index, item.seq, draft, logits[row_index : row_index + 1 + len(draft.proposal.tokens)])
                 sampled[item.seq.seq_id], accepted[item.seq.seq_id] = result.tokens, result.num_accepted
-                sample_row[item.seq.seq_id] = row_index
                 continue
-            row = logits[row_index]
-            sampled[item.seq.seq_id] = [self._sample(req, index, item.seq, row)]
-            sample_row[item.seq.seq_id] = row_index
+            draws.append((req, index, item.seq, row_index))
             if not req.forked:  # the parent's prompt is done: the other completions start from the same logits
-                forks += [(req, child, self._sample(req, child, item.seq, row), row_index) for child in range(1, req.params.n)]
+                draws += [(req, child, item.seq, row_index) for child in range(1, req.params.n)]
                 req.forked = True
+        for (req, index, seq, row_index), token in zip(draws, self._sample_all(draws, logits)):
+            if index == self._seq_owner[seq.seq_id][1]:
+                sampled[seq.seq_id] = [token]
+            else:
+                forks.append((req, index, token, row_index))
         self.scheduler.update(plan, sampled, accepted)
         for req, child, token, row_index in forks:  # before the parent may finish and release its blocks
             self._fork(req, child, token)
@@ -415,10 +427,27 @@ class LLMEngine:
         eos = [] if req.params.ignore_eos else list(self.config.eos_token_ids)
         return eos + list(req.params.stop_token_ids)
 
-    def _sample(self, req: _Request, index: int, seq: Sequence, row: torch.Tensor) -> int:
-        output = req.completions[index].token_ids
-        return sample_token(row, req.params, _sub_seed(req.seed, index), seq.num_tokens,
-                            req.prompt_ids, output, self._suppressed(req, len(output)))
+    def _sample_all(self, draws: list[tuple[_Request, int, Sequence, int]], logits: torch.Tensor) -> list[int]:
+        """One token per (request, completion, sequence, logit row). Rows without penalties or suppressed ids
+        sample together (one host copy for the step); the others one by one. Same tokens either way."""
+        tokens: list[int | None] = [None] * len(draws)
+        batched: list[int] = []
+        for i, (req, index, seq, row_index) in enumerate(draws):
+            output = req.completions[index].token_ids
+            suppressed = self._suppressed(req, len(output))
+            if needs_row_processing(req.params) or suppressed:
+                tokens[i] = sample_token(logits[row_index], req.params, _sub_seed(req.seed, index), seq.num_tokens,
+                                         req.prompt_ids, output, suppressed)
+            else:
+                batched.append(i)
+        if batched:
+            rows = torch.tensor([draws[i][3] for i in batched], dtype=torch.int64, device=logits.device)
+            picked = sample_rows(logits.index_select(0, rows), [draws[i][0].params for i in batched],
+                                 [_sub_seed(draws[i][0].seed, draws[i][1]) for i in batched],
+                                 [draws[i][2].num_tokens for i in batched])
+            for i, token in zip(batched, picked):
+                tokens[i] = token
+        return tokens
 
     def _append(self, req: _Request, index: int, token: int, row: torch.Tensor) -> None:
         """Record a sampled token for completion `index` and apply stop conditions."""

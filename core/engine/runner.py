@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
+from deepinfer.engine.cuda_graphs import DecodeGraphs, reserve_sink
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
+from deepinfer.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -17,14 +20,27 @@ class StepOutput:
     hidden: torch.Tensor  # [T, hidden] final-normed hidden states of every token of the step
     logits: torch.Tensor  # [len(logit_rows), vocab] float32
     captured: tuple[torch.Tensor, ...] = ()  # [T, hidden] residual stream after each layer asked for
+    graphed: bool = False  # replayed from a captured graph (hidden and logits are views of its buffers)
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekModel, backend: Backend, spec: KVCacheSpec):
+    def __init__(self, model: DeepseekModel, backend: Backend, spec: KVCacheSpec,
+                 graph_batch_sizes: Sequence[int] = (), max_seq_len: int | None = None):
+        """spec: the cache the scheduler hands out. With graph_batch_sizes (a backend that captures graphs),
+        one more block is allocated as the padding sink and decode graphs are captured for those sizes,
+        serving sequences up to max_seq_len."""
         self.model = model
         self.backend = backend
+        self.num_usable_blocks = spec.num_blocks
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch_sizes:
+            spec, sink = reserve_sink(spec)
         self.spec = spec
         self.kv_caches = tuple(backend.allocate_kv_cache(spec) for _ in range(model.num_cache_layers))
+        if graph_batch_sizes:
+            limit = max_seq_len or model.config.max_position_embeddings
+            self.graphs = DecodeGraphs(model, backend, spec, self.kv_caches, sink, graph_batch_sizes, limit)
+            self.graphs.capture()
 
     @staticmethod
     def cache_spec(model: DeepseekModel, num_blocks: int, block_size: int, dtype: str) -> KVCacheSpec:
@@ -35,14 +51,19 @@ class ModelRunner:
     def execute(self, batch: AttentionBatch, input_ids: list[int], logit_rows: list[int],
                 capture_layers: tuple[int, ...] = ()) -> StepOutput:
         """Run the model on this step's new tokens and return logits for the token rows asked for (and the
-        outputs of `capture_layers`, for speculative drafters that read target features)."""
+        outputs of `capture_layers`, for speculative drafters that read target features). Decode steps that
+        a captured graph serves replay it; nothing here waits for the device."""
+        device = self.backend.device
+        ids = to_device(input_ids, torch.int64, device)
+        if self.graphs is not None and not capture_layers and self.graphs.serves(batch, logit_rows):
+            hidden, logits = self.graphs.run(batch, ids)
+            return StepOutput(hidden, logits, graphed=True)
         plan = self.backend.plan_attention(batch, self.spec)
         ctx = ForwardContext(plan, self.kv_caches)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.backend.device)
         captured: list[torch.Tensor] = []
         if capture_layers:
             hidden, captured = self.model.forward_capture(ids, ctx, capture_layers)
         else:
             hidden = self.model.forward(ids, ctx)
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.backend.device)
+        rows = to_device(logit_rows, torch.int64, device)
         return StepOutput(hidden, self.model.compute_logits(hidden.index_select(0, rows)), tuple(captured))

@@ -2,8 +2,9 @@
 
 Order, as in vLLM: penalties (repetition, frequency, presence) and min_tokens on the raw logits, then
 temperature, top-k, top-p and min-p, then a draw. The draw is an exponential race (argmax p / E with
-E ~ Exp(1)) whose noise comes from a generator keyed by (request seed, token position): a request's tokens
-depend on nothing else in the batch, nor on preemption and recomputation. Log-probabilities reported to
+E ~ Exp(1)) whose noise is a counter-based hash of (request seed, token position, token id), computed on the
+logits' device: a request's tokens depend on nothing else in the batch, nor on preemption and recomputation,
+and a whole batch samples with one copy to the host. Log-probabilities reported to
 the user are those of the raw model distribution.
 """
 
@@ -37,29 +38,95 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
 
 
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row [V] -> temperature-scaled, top-k / top-p / min-p filtered logits (-inf outside)."""
-    x = logits / params.temperature
-    vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold included).
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        drop[0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
+    """Logits [V] (or [R, V], every row with these params) -> temperature-scaled, top-k / top-p / min-p
+    filtered logits (-inf outside)."""
+    rows = logits if logits.dim() == 2 else logits[None]
+    out = apply_filters_rows(rows, [params] * rows.shape[0])
+    return out if logits.dim() == 2 else out[0]
+
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # a 32-bit integer-hash multiplier below 2**31: products stay exact in int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash of int64 values in [0, 2**32) (two xor-shift-multiply rounds)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def position_keys(seeds: Sequence[int], positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Two 32-bit keys per (seed, position): a cryptographic hash on the host, so nearby seeds and positions
+    give unrelated noise."""
+    keys = []
+    for seed, position in zip(seeds, positions):
+        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+        keys.append((int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")))
+    return keys
+
+
+def keyed_exponential(seeds: Sequence[int], positions: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """Exp(1) noise [R, vocab], row r a pure function of (seeds[r], positions[r]) computed on `device` (a
+    counter-based hash, no generator state): the same draws on any device and in any batch."""
+    keys = torch.tensor(position_keys(seeds, positions), dtype=torch.int64, device=device).view(-1, 2)
+    index = torch.arange(vocab, dtype=torch.int64, device=device)
+    bits = _mix32(_mix32(index[None, :] ^ keys[:, :1]) ^ keys[:, 1:])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+    return -torch.log(uniform)
+
+
+def apply_filters_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row of logits [R, V] with its own params: temperature, then top-k, then top-p (the smallest prefix
+    whose mass reaches top_p, the token crossing it included), then min-p; one pass of batched ops."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    x = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if min(top_k) < vocab:
+            k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            kth = sorted_x.gather(1, (k - 1)[:, None])
+            x = x.masked_fill(x < kth, float("-inf"))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if min(top_p) < 1.0:
+            probs = sorted_x.softmax(-1)
+            p = torch.tensor(top_p, dtype=probs.dtype, device=device)
+            drop = probs.cumsum(-1) - probs >= p[:, None]
+            drop[:, 0] = False
+            x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
         probs = x.softmax(-1)
-        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        m = torch.tensor(min_p, dtype=probs.dtype, device=device)
+        x = x.masked_fill(probs < m[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return x
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """A CPU generator keyed by (seed, position): the same draw whatever else runs."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+def needs_row_processing(params: SamplingParams) -> bool:
+    """Penalties read each sequence's own history; such rows go through sample_token one by one."""
+    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                positions: Sequence[int]) -> list[int]:
+    """Tokens for the rows of logits [R, V] (penalties already applied): greedy rows by one argmax, the
+    others by the keyed exponential race over their filtered distributions; one copy to the host in all."""
+    if not len(params):
+        return []
+    x = logits.float()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    choice = torch.argmax(x, dim=-1)
+    if sampled:
+        rows = torch.tensor(sampled, dtype=torch.int64, device=x.device)
+        sub = x.index_select(0, rows)
+        probs = apply_filters_rows(sub, [params[i] for i in sampled]).softmax(-1)
+        noise = keyed_exponential([seeds[i] for i in sampled], [positions[i] for i in sampled], x.shape[-1], x.device)
+        choice = choice.index_copy(0, rows, torch.argmax(probs / noise, dim=-1))
+    return choice.tolist()
 
 
 def sample_token(
@@ -76,11 +143,7 @@ def sample_token(
     if suppressed_ids:  # min_tokens not reached: end-of-sequence and stop ids may not be chosen
         x = x.clone()
         x[torch.tensor(list(suppressed_ids), dtype=torch.long, device=x.device)] = float("-inf")
-    if params.greedy:
-        return int(torch.argmax(x))
-    probs = apply_filters(x, params).softmax(-1)
-    noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=position_generator(seed, position))
-    return int(torch.argmax(probs / noise.to(probs.device)))
+    return sample_rows(x[None], [params], [seed], [position])[0]
 
 
 def position_logprobs(logprobs_row: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:

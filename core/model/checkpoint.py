@@ -10,7 +10,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -401,3 +401,47 @@ class Checkpoint:
         entry = self._entry(name)
         with safe_open(str(entry.shard), framework="pt", device=str(device)) as f:
             return f.get_tensor(name)
+
+
+class TensorDictCheckpoint(Checkpoint):
+    """Tensors already in memory (e.g. a transformers model's state_dict) seen as a checkpoint: the same
+    validation and loading path as files, without writing them to disk first."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], name: str = "in-memory") -> None:
+        self.path = Path(name)
+        self._tensors = dict(tensors)
+        self._entries = {
+            n: _TensorEntry(self.path, t.dtype, tuple(t.shape), t.numel() * t.element_size(), 0)
+            for n, t in self._tensors.items()
+        }
+
+    @classmethod
+    def from_transformers(cls, model: torch.nn.Module) -> TensorDictCheckpoint:
+        """A transformers DeepseekV2/V3ForCausalLM's weights under checkpoint names, sharing its memory.
+
+        transformers 5 keeps each MoE layer's experts stacked (`experts.gate_up_proj` [E, 2I, H], gate rows
+        first, and `experts.down_proj` [E, H, I]); checkpoints name each expert's projections apart."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in model.state_dict().items():
+            prefix, _, leaf = name.rpartition(".experts.")
+            if leaf == "gate_up_proj":
+                inter = tensor.shape[1] // 2
+                for e in range(tensor.shape[0]):
+                    tensors[f"{prefix}.experts.{e}.gate_proj.weight"] = tensor[e, :inter]
+                    tensors[f"{prefix}.experts.{e}.up_proj.weight"] = tensor[e, inter:]
+            elif leaf == "down_proj":
+                for e in range(tensor.shape[0]):
+                    tensors[f"{prefix}.experts.{e}.down_proj.weight"] = tensor[e]
+            else:
+                tensors[name] = tensor
+        return cls(tensors, name=type(model).__name__)
+
+    def _stream(self, by_shard, device, progress):
+        # Tensors are yielded where they live; the loader moves and converts them.
+        for names in by_shard.values():
+            for name in names:
+                yield name, self._tensors[name]
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        self._entry(name)
+        return self._tensors[name]

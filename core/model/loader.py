@@ -75,7 +75,7 @@ def default_dtype(config: ModelConfig) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | Checkpoint,
     backend: Backend,
     *,
     config: ModelConfig | None = None,
@@ -89,9 +89,14 @@ def load_model(
 ) -> DeepseekModel:
     """placements: expert parallelism, this rank's slot map per MoE layer index (MTP layers included); only
     the experts those slots hold are read. ep_group: the process group their dispatch/combine run on."""
+    if isinstance(path, Checkpoint):  # e.g. a TensorDictCheckpoint of tensors already in memory
+        ckpt = path
+        if config is None:
+            raise ConfigError("loading from an in-memory checkpoint needs its ModelConfig")
+    else:
+        ckpt = Checkpoint(path)
     config = config or ModelConfig.from_hf_dir(path)
     policy = WeightPolicy(dtype or default_dtype(config), backend.device, precision, backend.capabilities.weight_formats)
-    ckpt = Checkpoint(path)
     with_mtp = load_mtp and config.num_nextn_predict_layers > 0 and ckpt.has_mtp_weights(config)
     expected = expected_tensors(config, include_mtp=with_mtp)
     n_main = config.num_hidden_layers

@@ -342,3 +342,32 @@ def test_zero_shared_experts_saved_by_transformers_are_tolerated(tiny_checkpoint
     report = Checkpoint(path).validate(expected, optional_tensors(config, include_mtp=False))
     assert report.optional_present and all("shared_experts" in n for n in report.optional_present)
 
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_in_memory_transformers_weights_equal_the_saved_checkpoint(model_type, tmp_path):
+    """TensorDictCheckpoint.from_transformers names and splits the stacked experts exactly as save_pretrained."""
+    from deepinfer.model.checkpoint import TensorDictCheckpoint
+    from deepinfer.model.loader import load_model
+    from deepinfer.registry import load_backend
+
+    from tiny_checkpoints import build_hf_model, save_checkpoint
+
+    hf = build_hf_model(model_type, seed=int(torch.randint(0, 1000, ())))
+    path = save_checkpoint(hf, tmp_path / "saved")
+    saved = load_all(path)
+    memory = TensorDictCheckpoint.from_transformers(hf)
+    assert memory.names() == sorted(saved)
+    for name, tensor in memory.iter_tensors(progress=False):
+        assert torch.equal(tensor, saved[name]), name
+    config = ModelConfig.from_hf_dir(path)
+    memory.validate(expected_tensors(config, include_mtp=False))
+    backend = load_backend("reference")
+    from_disk = load_model(path, backend, dtype=torch.float32, progress=False)
+    from_memory = load_model(memory, backend, config=config, dtype=torch.float32, progress=False)
+    assert from_memory.layers[1].mlp.experts.gate_up.data.shape == from_disk.layers[1].mlp.experts.gate_up.data.shape
+    for a, b in zip(from_disk.layers, from_memory.layers):
+        assert torch.equal(a.mlp.down.data if hasattr(a.mlp, "down") else a.mlp.experts.down.data,
+                           b.mlp.down.data if hasattr(b.mlp, "down") else b.mlp.experts.down.data)
+    with pytest.raises(Exception, match="ModelConfig"):
+        load_model(memory, backend, dtype=torch.float32, progress=False)

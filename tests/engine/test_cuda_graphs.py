@@ -1,0 +1,110 @@
+"""Decode graphs: padded replays equal eager forwards, padding touches only the sink block, and on a GPU the
+engine's graphed greedy tokens equal the reference backend's.
+
+Without a GPU, cuda_sm100 runs its kernels under the Triton interpreter and a "replay" re-runs the forward on
+the graph's persistent buffers: the padding and in-place re-planning are what is tested there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.attention import AttentionBatch, KVCacheSpec
+from deepinfer.config import ModelConfig
+from deepinfer.engine.cuda_graphs import default_batch_sizes
+from deepinfer.engine.runner import ModelRunner
+from deepinfer.errors import ConfigError
+from deepinfer.model.loader import load_model
+from deepinfer.registry import list_backends, load_backend
+
+from tiny_checkpoints import build_hf_model, save_checkpoint
+
+GPU = torch.cuda.is_available()
+CUDA_USABLE = any(b.name == "cuda_sm100" and b.usable for b in list_backends())
+BLOCK = 16
+
+
+def test_default_batch_sizes():
+    assert default_batch_sizes(1) == (1,)
+    assert default_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+    sizes = default_batch_sizes(256)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and all(b % 16 == 0 for b in sizes[4:])
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))  # padding wastes at most 15 rows
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = build_hf_model("deepseek_v3", seed=5, gain=0.5, max_position_embeddings=256)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("graph-model"))
+
+
+def test_backend_without_graphs_is_refused(checkpoint):
+    backend = load_backend("reference")
+    model = load_model(checkpoint, backend, config=ModelConfig.from_hf_dir(checkpoint), dtype=torch.float32)
+    spec = KVCacheSpec(8, BLOCK, model.config.kv_lora_rank, model.config.qk_rope_head_dim, "fp32")
+    with pytest.raises(ConfigError, match="graph"):
+        ModelRunner(model, backend, spec, graph_batch_sizes=(1, 2))
+
+
+@pytest.mark.skipif(not CUDA_USABLE, reason="cuda_sm100 is not usable here")
+def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
+    backend = load_backend("cuda_sm100")
+    config = ModelConfig.from_hf_dir(checkpoint)
+    model = load_model(checkpoint, backend, config=config, dtype=torch.float32)
+    num_blocks, max_len = 12, 64
+    spec = KVCacheSpec(num_blocks, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
+    graphed = ModelRunner(model, backend, spec, graph_batch_sizes=(1, 4), max_seq_len=max_len)
+    eager = ModelRunner(model, backend, spec)
+    assert graphed.spec.num_blocks == num_blocks + 1 and graphed.num_usable_blocks == num_blocks
+    sink = num_blocks
+    for cache in graphed.kv_caches:
+        cache[:num_blocks].zero_()  # capture's dummy rows may only ever touch the sink block
+
+    # Three sequences on scattered blocks; blocks 9-11 stay unused.
+    tables = ((3, 0, 7), (5, 1), (2, 8, 4, 6))
+    prompt_lens = (20, 9, 33)
+    prompts = [torch.randint(2, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    prefill = AttentionBatch(prompt_lens, prompt_lens, tables)
+    ids = [t for p in prompts for t in p]
+    rows = [sum(prompt_lens[: i + 1]) - 1 for i in range(3)]
+    for runner in (graphed, eager):
+        out = runner.execute(prefill, ids, rows)
+        assert not out.graphed
+    lens = list(prompt_lens)
+    for step in range(4):
+        live = 3 if step < 3 else 1  # 3 sequences pad to 4; then one sequence runs on the size-1 graph
+        lens = [n + 1 for n in lens]
+        batch = AttentionBatch((1,) * live, tuple(lens[:live]), tables[:live])
+        tokens = torch.randint(2, config.vocab_size, (live,), generator=gen).tolist()
+        got = graphed.execute(batch, tokens, list(range(live)))
+        want = eager.execute(batch, tokens, list(range(live)))
+        assert got.graphed and not want.graphed and got.logits.shape == want.logits.shape
+        torch.testing.assert_close(got.logits, want.logits, rtol=2e-3, atol=2e-3)
+    for cache in graphed.kv_caches:
+        assert not cache[9:num_blocks].any(), "padding rows wrote outside the sink block"
+        assert cache[sink].any()
+    # Not a decode step (two queries for one sequence): eager.
+    batch = AttentionBatch((2,), (lens[0] + 2,), tables[:1])
+    assert not graphed.execute(batch, [5, 6], [0, 1]).graphed
+
+
+@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
+def test_graphed_engine_generates_the_reference_tokens():
+    """The GPU path changes speed, not answers: greedy decoding of the embedded model (float32 activations,
+    bf16 latent cache on both sides) through captured graphs gives the reference backend's tokens."""
+    from deepinfer.serve.default_model import default_model_path
+
+    path = str(default_model_path())
+    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, max_model_len=512)
+    gpu = LLM(path, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
+    assert gpu.engine.runner.graphs is not None
+    cpu = LLM(path, backend="reference", **common)
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+               "for i in range(10):\n", "# Parse the arguments\n", "return [x for x in", "with open(path) as f:\n",
+               "try:\n    import numpy\n", "def main():\n    args =", "while True:\n"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    assert got == want
