@@ -17,6 +17,8 @@ Printed, per precision:
   touches in expectation, the LM head, and the latent cache) over the measured HBM bandwidth;
 - time to first token for 4k and 32k prompts, next to the FLOP floor (linear layers + causal attention in
   the decompressed form) at the measured bf16 matmul rate;
+- per decode cell also the median wall time of one engine step and the GPU time of one graph replay
+  (their gap is host time the overlap did not hide);
 - transformers `generate` (experts_implementation="grouped_mm", bf16, 1k-token prompts) at batch 1 and 32.
 Cells whose latent cache does not fit the GPU are reported as such, not silently dropped.
 """
@@ -186,13 +188,50 @@ def run_decode(engine, batch: int, context: int, gen_tokens: int, gen: torch.Gen
     sync(engine.backend.device)
     prefilled = time.perf_counter()
     before = engine.stats().generated_tokens
-    steps = 0
+    steps = []
     while engine.has_unfinished():
+        t = time.perf_counter()
         engine.step()
-        steps += 1
+        steps.append(time.perf_counter() - t)
     sync(engine.backend.device)
     elapsed = time.perf_counter() - prefilled
     return prefilled - started, (engine.stats().generated_tokens - before) / elapsed, steps
+
+
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """GPU time of one decode graph replay at this batch size (its buffers as the last step left them)."""
+    graphs = engine.runner.graphs
+    size = None if graphs is None else graphs.size_for(batch)
+    if size is None or engine.backend.device.type != "cuda":
+        return None
+    from gpu_timing import events_median
+
+    return events_median(lambda: graphs.replay(size), 20)
+
+
+def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, top: int = 18) -> None:
+    """Kernel time breakdown of one eager decode step (graphs hide kernels from the profiler)."""
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    vocab = engine.config.vocab_size
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"prof-{i}", torch.randint(2, vocab, (context,), generator=gen).tolist(), params)
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        for _ in range(2):  # prefill, then a decode step to warm up
+            engine.step()
+        on_gpu = engine.backend.device.type == "cuda"
+        activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            engine.step()
+            sync(engine.backend.device)
+        key = "cuda_time_total" if on_gpu else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+    finally:
+        engine.runner.graphs = graphs
+        while engine.has_unfinished():
+            engine.step()
 
 
 def run_ttft(engine, prompt_len: int, gen: torch.Generator) -> float:
@@ -247,6 +286,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--peer-context", type=int, default=1024)
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of eager decode steps (batch 1, 32)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model with the same structure (script test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -296,7 +336,7 @@ def main() -> None:
         weight_bytes = 2.0 if precision == "bf16" else 1.0 + 4.0 / (128 * 128)
         print("  " + expert_spread(engine, min(4096, max_model_len - 8), gen), flush=True)
         print(f"  {'batch':>5} {'context':>7} {'prefill s':>9} {'decode tok/s':>12} {'roofline':>9} {'of roof':>7} "
-              f"{'vs transformers':>15}")
+              f"{'vs transformers':>15} {'step ms':>8} {'graph ms':>9}")
         for context in args.contexts:
             for batch in args.batches:
                 cell = {"precision": precision, "batch": batch, "context": context}
@@ -314,10 +354,18 @@ def main() -> None:
                     roof = batch / (s.decode_bytes(batch, context, weight_bytes) / (bandwidth * 1e9))
                     vs = peer.get(batch)
                     vs_text = f"{tok_s / vs:.1f}x" if vs and context == args.peer_context else "-"
+                    step_ms = sorted(steps)[len(steps) // 2] * 1e3
+                    replay = graph_replay_ms(engine, batch)
+                    replay_text = "-" if replay is None else f"{replay:.2f}"
                     print(f"  {batch:>5} {context:>7} {prefill_s:>9.2f} {tok_s:>12.1f} {roof:>9.0f} "
-                          f"{tok_s / roof:>7.2f} {vs_text:>15}", flush=True)
-                    cell.update(prefill_s=prefill_s, decode_tok_s=tok_s, roofline_tok_s=roof, steps=steps)
+                          f"{tok_s / roof:>7.2f} {vs_text:>15} {step_ms:>8.2f} {replay_text:>9}", flush=True)
+                    cell.update(prefill_s=prefill_s, decode_tok_s=tok_s, roofline_tok_s=roof, steps=len(steps),
+                                median_step_ms=step_ms, graph_replay_ms=replay)
                 results["cells"].append(cell)
+        if args.profile:
+            for batch in (1, 32):
+                print(f"  eager decode step, batch {batch}, context {args.contexts[0]}: kernels by CUDA time")
+                profile_eager_step(engine, batch, args.contexts[0], gen)
         for prompt in args.ttft:
             if prompt + 1 > max_model_len:
                 continue

@@ -376,6 +376,9 @@ class EngineConfig(BaseModel):
     # CUDA graphs for decode steps (backends that capture graphs, on a GPU): batch sizes 1, 2, 4, 8 and
     # multiples of 16 up to this (and max_num_seqs); larger batches and prefill run eagerly.
     enforce_eager: bool = False
+    # Schedule and launch step N+1 while step N's sampled tokens are still on their way to the host
+    # (deepinfer.engine.overlap); steps that need them first (penalties, logprobs, speculation) still wait.
+    overlap_scheduling: bool = True
     cuda_graph_max_batch_size: int = Field(default=256, gt=0)
     load_mtp: bool = True
     progress: bool = True

@@ -26,7 +26,7 @@ import torch
 
 from deepinfer import quant
 from deepinfer.backends.reference.gemm import INT_DTYPES, _check_weight, _check_x
-from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.checks import FLOAT_DTYPES, check_tensor, values_checkable
 from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
 
@@ -272,13 +272,9 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
     return out.reshape(*x.shape[:-1], n)
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _check_sizes(group_sizes: object, groups: int, total: int | None, device: torch.device) -> None:
     check_tensor("group_sizes", group_sizes, shape=(groups,), dtypes=INT_DTYPES, device=device)
-    if _capturing(device):  # values stay on the device under graph capture; the kernels clamp them
+    if not values_checkable(group_sizes):  # on a GPU the kernels clamp sizes to the rows there are
         return
     sizes = group_sizes.tolist()
     if any(s < 0 for s in sizes) or (total is not None and sum(sizes) != total):

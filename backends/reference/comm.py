@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend import Dispatched, Pending
-from deepinfer.checks import FLOAT_DTYPES, check_same_length, check_tensor
+from deepinfer.checks import FLOAT_DTYPES, check_same_length, check_tensor, values_checkable
 from deepinfer.errors import InvalidInputError
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -35,10 +35,6 @@ class _State:
     recv_order: torch.Tensor | None = None
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _world(group: Any) -> tuple[int, int]:
     """(world size, rank) of `group`; (1, 0) when torch.distributed is not in use."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -53,9 +49,8 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     check_same_length("x", x, "topk_ids", topk_ids)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise InvalidInputError(f"num_experts must be a positive int, got {num_experts!r}")
-    # A value check (a host sync): bad ids would silently misroute rows. Skipped while a CUDA graph is being
-    # captured (a sync is illegal there); the ids then come from the model's own routing.
-    if topk_ids.numel() and not _capturing(x) and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+    # Bad ids would silently misroute rows; checked where that is free (on a GPU the ids come from the router).
+    if topk_ids.numel() and values_checkable(topk_ids) and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise InvalidInputError(f"topk_ids must lie in [0, {num_experts}), got values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
     world, rank = _world(group)
     if num_experts % world:

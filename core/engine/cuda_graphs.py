@@ -132,6 +132,15 @@ class DecodeGraphs:
         return entry.hidden[:n], entry.logits[:n]
 
 
+    def replay(self, size: int) -> None:
+        """Replay the graph of one captured size on its current buffers (profiling: no re-planning)."""
+        entry = self._graphs[size]
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.hidden, entry.logits = self._forward(entry.input_ids, entry.plan)
+
+
 def reserve_sink(spec: KVCacheSpec) -> tuple[KVCacheSpec, int]:
     """The cache spec with one more block, and that block's id: padded graph rows write and read only there."""
     from dataclasses import replace

@@ -23,14 +23,16 @@ from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.runner import ModelRunner
-from deepinfer.engine.sampler import needs_row_processing, position_logprobs, sample_rows, sample_token
+from deepinfer.engine.overlap import InFlightStep, pending_input
+from deepinfer.engine.sampler import needs_row_processing, position_logprobs, sample_rows, sample_rows_device, sample_token
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
 from deepinfer.engine.stop_checker import StopStringChecker
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.quant import cdiv
+from deepinfer.transfer import to_device
 from deepinfer.spec.drafter import DraftRequest, Observation
 from deepinfer.spec.metrics import SpecDecodeStats
 from deepinfer.spec.verifier import VerifyContext, verify
@@ -160,6 +162,7 @@ class LLMEngine:
         # Expert parallelism (deepinfer.engine.expert_parallel) sets this hook: a rank that schedules nothing
         # in a step must still enter the step's MoE collectives, with a forward of no tokens.
         self.idle_forward: Callable[[], None] | None = None
+        self._inflight: InFlightStep | None = None  # overlapped scheduling: the step whose tokens are on the way
 
     # --- construction -----------------------------------------------------------------------------
     @classmethod
@@ -274,7 +277,7 @@ class LLMEngine:
         return req.snapshot()
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -289,11 +292,25 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs of the requests that moved. With overlapped scheduling the
+        outputs are those of the previous step, resolved while this one runs on the device."""
+        pending, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
+        if plan.scheduled and self._can_defer(plan):
+            launched = self._launch(plan, pending)
+            outputs = self._resolve(pending)
+            self._commit(launched)
+            return outputs
+        outputs = self._resolve(pending)
+        plan = self._without_finished(plan) if pending is not None else plan
         if not plan.scheduled:
             if self.idle_forward is not None:
                 self.idle_forward()
-            return []
+            return outputs
+        return outputs + self._run(plan)
+
+    def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """A synchronous step: forward, sample, verify drafts, update the scheduler, build outputs."""
         started = time.perf_counter()
         drafts = self._propose(plan) if self.speculator else {}
         layout = self._layout(plan, drafts)
@@ -346,13 +363,76 @@ class LLMEngine:
                 if seq is not None:
                     self.speculator.fork(req.seq_ids[0], seq.seq_id, seq.num_computed_tokens)
             self.speculator.step_done(time.perf_counter() - started, layout.batch.num_tokens)
+        return self._finish_outputs(touched)
+
+    # --- overlapped scheduling (deepinfer.engine.overlap) ---------------------------------------------
+    def _can_defer(self, plan: SchedulerOutput) -> bool:
+        """Whether this step's sampled tokens may stay on the device while the next step is scheduled."""
+        if not self.engine_config.overlap_scheduling or self.speculator is not None or self.idle_forward is not None:
+            return False
+        for item in plan.scheduled:
+            req, index = self._seq_owner[item.seq.seq_id]
+            params = req.params
+            if params.prompt_logprobs is not None:
+                return False
+            if item.sample and (not req.forked or params.logprobs is not None or needs_row_processing(params)
+                                or len(req.completions[index].token_ids) < params.min_tokens):
+                return False
+        return True
+
+    def _launch(self, plan: SchedulerOutput, pending: InFlightStep | None) -> InFlightStep:
+        """Forward and sample on the device; nothing waits for the result."""
+        layout = self._layout(plan, pending=pending)
+        step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows,
+                                       pending_tokens=None if pending is None else pending.tokens)
+        draws, rows = [], []
+        for row_index, item in layout.sample_rows:
+            req, index = self._seq_owner[item.seq.seq_id]
+            draws.append((req, index, item.seq))
+            rows.append(row_index)
+        tokens = torch.empty(0, dtype=torch.int64, device=step_out.logits.device)
+        if draws:
+            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, step_out.logits.device))
+            tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
+                                        [_sub_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
+        return InFlightStep.launch(plan, draws, tokens)
+
+    def _commit(self, launched: InFlightStep) -> None:
+        """Advance the scheduler past a launched step, its sampled tokens still pending."""
+        live = {seq.seq_id: [PENDING_TOKEN] for _, _, seq in launched.draws if self.scheduler.get(seq.seq_id) is seq}
+        self.scheduler.update(launched.plan, live)
+        self._inflight = launched
+
+    def _resolve(self, pending: InFlightStep | None) -> list[RequestOutput]:
+        """Give the in-flight step's sequences their sampled tokens and apply stop conditions."""
+        if pending is None:
+            return []
+        touched: dict[str, _Request] = {}
+        for (req, index, seq), token in zip(pending.draws, pending.wait()):
+            if self._seq_owner.get(seq.seq_id) != (req, index) or self.scheduler.get(seq.seq_id) is not seq:
+                continue  # aborted, or stopped by an earlier token: this row was computed for nothing
+            seq.resolve_pending(token)
+            self._append(req, index, token, None)
+            touched[req.request_id] = req
+        return self._finish_outputs(touched)
+
+    def _without_finished(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The plan minus sequences that stopped when the in-flight step resolved (their blocks are free)."""
+        keep = tuple(e for e in plan.scheduled if self.scheduler.get(e.seq_id) is e.seq)
+        if len(keep) == len(plan.scheduled):
+            return plan
+        return SchedulerOutput(keep, plan.preempted, sum(e.num_new_tokens for e in keep))
+
+    def _finish_outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         outputs = [req.snapshot() for req in touched.values()]
         for out in outputs:
             if out.finished:
                 self._retire(out.request_id)
         return outputs
 
-    def _layout(self, plan: SchedulerOutput, drafts: dict | None = None) -> _StepLayout:
+    def _layout(self, plan: SchedulerOutput, drafts: dict | None = None, pending: InFlightStep | None = None) -> _StepLayout:
+        """pending: the step in flight, whose sampled tokens some sequences end with (overlapped scheduling);
+        their input is then named by pending_input(row) and read on the device."""
         query_lens, seq_lens, tables, input_ids, rows, prompt_rows, sample_rows = [], [], [], [], [], [], []
         offsets = []
         for item in plan.scheduled:
@@ -361,6 +441,10 @@ class LLMEngine:
             offset = len(input_ids)
             offsets.append(offset)
             input_ids += seq.get_token_ids(start, end)
+            if end == seq.num_tokens and seq.has_pending_token:
+                if pending is None or seq.seq_id not in pending.row_of:
+                    raise EngineStateError(f"{seq.seq_id!r} ends with a pending token that no step in flight sampled")
+                input_ids[-1] = pending_input(pending.row_of[seq.seq_id])
             draft = (drafts or {}).get(seq.seq_id)
             extra = draft.proposal.tokens if draft is not None else []
             input_ids += extra  # verified in the same forward, in the lookahead slots
@@ -449,7 +533,7 @@ class LLMEngine:
                 tokens[i] = token
         return tokens
 
-    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor) -> None:
+    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor | None) -> None:
         """Record a sampled token for completion `index` and apply stop conditions."""
         comp, checker, params = req.completions[index], req.checkers[index], req.params
         comp.token_ids.append(token)

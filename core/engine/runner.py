@@ -10,6 +10,7 @@ import torch
 from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
 from deepinfer.engine.cuda_graphs import DecodeGraphs, reserve_sink
+from deepinfer.engine.overlap import resolve_inputs
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.transfer import to_device
@@ -49,12 +50,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: AttentionBatch, input_ids: list[int], logit_rows: list[int],
-                capture_layers: tuple[int, ...] = ()) -> StepOutput:
+                capture_layers: tuple[int, ...] = (), pending_tokens: torch.Tensor | None = None) -> StepOutput:
         """Run the model on this step's new tokens and return logits for the token rows asked for (and the
         outputs of `capture_layers`, for speculative drafters that read target features). Decode steps that
-        a captured graph serves replay it; nothing here waits for the device."""
+        a captured graph serves replay it; nothing here waits for the device.
+
+        pending_tokens: the tokens sampled by the step still in flight (on the device); input ids written
+        as overlap.pending_input(row) are taken from it."""
         device = self.backend.device
-        ids = to_device(input_ids, torch.int64, device)
+        ids = resolve_inputs(to_device(input_ids, torch.int64, device), pending_tokens)
         if self.graphs is not None and not capture_layers and self.graphs.serves(batch, logit_rows):
             hidden, logits = self.graphs.run(batch, ids)
             return StepOutput(hidden, logits, graphed=True)

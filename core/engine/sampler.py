@@ -18,6 +18,7 @@ import torch
 
 from deepinfer.engine.outputs import Logprob, PositionLogprobs
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.transfer import to_device
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
@@ -69,7 +70,7 @@ def position_keys(seeds: Sequence[int], positions: Sequence[int]) -> list[tuple[
 def keyed_exponential(seeds: Sequence[int], positions: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
     """Exp(1) noise [R, vocab], row r a pure function of (seeds[r], positions[r]) computed on `device` (a
     counter-based hash, no generator state): the same draws on any device and in any batch."""
-    keys = torch.tensor(position_keys(seeds, positions), dtype=torch.int64, device=device).view(-1, 2)
+    keys = to_device([k for pair in position_keys(seeds, positions) for k in pair], torch.int64, device).view(-1, 2)
     index = torch.arange(vocab, dtype=torch.int64, device=device)
     bits = _mix32(_mix32(index[None, :] ^ keys[:, :1]) ^ keys[:, 1:])
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
@@ -117,16 +118,22 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: S
     others by the keyed exponential race over their filtered distributions; one copy to the host in all."""
     if not len(params):
         return []
+    return sample_rows_device(logits, params, seeds, positions).tolist()
+
+
+def sample_rows_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                       positions: Sequence[int]) -> torch.Tensor:
+    """sample_rows() as an int64 tensor on the logits' device, without waiting for it."""
     x = logits.float()
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     choice = torch.argmax(x, dim=-1)
     if sampled:
-        rows = torch.tensor(sampled, dtype=torch.int64, device=x.device)
+        rows = to_device(sampled, torch.int64, x.device)
         sub = x.index_select(0, rows)
         probs = apply_filters_rows(sub, [params[i] for i in sampled]).softmax(-1)
         noise = keyed_exponential([seeds[i] for i in sampled], [positions[i] for i in sampled], x.shape[-1], x.device)
         choice = choice.index_copy(0, rows, torch.argmax(probs / noise, dim=-1))
-    return choice.tolist()
+    return choice
 
 
 def sample_token(

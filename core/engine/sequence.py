@@ -36,11 +36,18 @@ _FINISHED = frozenset(
     {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED})
 
 
-def _token_list(token_ids: Iterable[int], what: str) -> list[int]:
+# A sampled token still on its way from the device (overlapped scheduling): the engine appends it so that the
+# next step can be scheduled, and resolves it before its position is ever computed or hashed.
+PENDING_TOKEN = -1
+
+
+def _token_list(token_ids: Iterable[int], what: str, allow_pending: bool = False) -> list[int]:
     try:
         tokens = [operator.index(t) for t in token_ids]
     except TypeError as exc:
         raise InvalidInputError(f"{what} must be integers: {exc}") from None
+    if allow_pending and tokens == [PENDING_TOKEN]:
+        return tokens
     if tokens and (min(tokens) < 0 or max(tokens) > _MAX_TOKEN_ID):
         raise InvalidInputError(f"{what} must be non-negative integers below 2**63")
     return tokens
@@ -119,7 +126,20 @@ class Sequence:
         return (self.arrival, self.fork_index)
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
-        self._token_ids.extend(_token_list(token_ids, "sampled token ids"))
+        """Append sampled tokens, or a single PENDING_TOKEN whose value resolve_pending() gives later."""
+        if self._token_ids[-1] == PENDING_TOKEN:
+            raise EngineStateError(f"sequence {self.seq_id!r}: its last token is still pending")
+        self._token_ids.extend(_token_list(token_ids, "sampled token ids", allow_pending=True))
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self._token_ids[-1] == PENDING_TOKEN
+
+    def resolve_pending(self, token: int) -> None:
+        """Replace the pending last token by its sampled value."""
+        if self._token_ids[-1] != PENDING_TOKEN:
+            raise EngineStateError(f"sequence {self.seq_id!r} has no pending token to resolve")
+        self._token_ids[-1] = _token_list([token], "sampled token ids")[0]
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens} "

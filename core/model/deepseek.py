@@ -12,6 +12,7 @@ import torch
 
 from deepinfer.backend import Backend
 from deepinfer.config import ModelConfig
+from deepinfer.errors import InvalidInputError
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.mla import MLAttention
 from deepinfer.model.mlp import GatedMLP, stack_experts
@@ -113,8 +114,16 @@ class DeepseekModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.index_select(0, input_ids)
 
+    def _check_positions(self, ctx: ForwardContext) -> None:
+        """On the host, once per forward: rope reads its table at every position (no device-side check)."""
+        rows = self.layers[0].self_attn.cos_sin_cache.shape[0] if self.layers else None
+        if rows is not None and max(ctx.plan.batch.seq_lens) > rows:
+            raise InvalidInputError(f"a sequence reaches position {max(ctx.plan.batch.seq_lens) - 1}; the model was "
+                                    f"loaded for {rows} positions (max_positions)")
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, hidden]."""
+        self._check_positions(ctx)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer.forward(x, ctx)
@@ -123,6 +132,7 @@ class DeepseekModel:
     def forward_capture(self, input_ids: torch.Tensor, ctx: ForwardContext, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward(), also returning the residual stream after each layer in `capture` (speculative drafters
         such as DSpark read these target features)."""
+        self._check_positions(ctx)
         x = self.embed(input_ids)
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

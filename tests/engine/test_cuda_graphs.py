@@ -91,20 +91,43 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
-def test_graphed_engine_generates_the_reference_tokens():
-    """The GPU path changes speed, not answers: greedy decoding of the embedded model (float32 activations,
-    bf16 latent cache on both sides) through captured graphs gives the reference backend's tokens."""
-    from deepinfer.serve.default_model import default_model_path
+def test_graphed_overlapped_engine_generates_the_reference_tokens(tmp_path, gen):
+    """The GPU path changes speed, not answers: greedy decoding through captured graphs and overlapped
+    scheduling gives the reference backend's tokens (float32 activations, bf16 latent cache on both sides).
 
-    path = str(default_model_path())
-    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, max_model_len=512)
+    The model is random with spread-out weights (tiny_checkpoints' gain), so its greedy choices have margins
+    above the bf16 rounding of queries and probabilities inside the attention kernel; wrong cache slots,
+    padding or pending-token bugs change whole continuations."""
+    hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, (), generator=gen)), gain=1.5,
+                        max_position_embeddings=256)
+    path = str(save_checkpoint(hf, tmp_path / "model"))
+    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
     gpu = LLM(path, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
-    assert gpu.engine.runner.graphs is not None
+    assert gpu.engine.runner.graphs is not None and gpu.engine.engine_config.overlap_scheduling
     cpu = LLM(path, backend="reference", **common)
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
-               "for i in range(10):\n", "# Parse the arguments\n", "return [x for x in", "with open(path) as f:\n",
-               "try:\n    import numpy\n", "def main():\n    args =", "while True:\n"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(2, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,), generator=gen)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="host synchronisation only exists with a GPU")
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_an_eager_step_never_waits_for_the_device(checkpoint, gen, precision):
+    """Planning and a whole eager forward (prefill and decode) queue work without reading anything back."""
+    backend = load_backend("cuda_sm100")
+    config = ModelConfig.from_hf_dir(checkpoint)
+    model = load_model(checkpoint, backend, config=config, dtype=torch.bfloat16, precision=precision)
+    spec = KVCacheSpec(12, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
+    runner = ModelRunner(model, backend, spec)
+    batches = [AttentionBatch((20, 9), (20, 9), ((3, 0), (5,))), AttentionBatch((1, 1), (21, 10), ((3, 0), (5,)))]
+    for batch in batches * 2:  # the first round compiles the kernels
+        ids = torch.randint(2, config.vocab_size, (batch.num_tokens,), generator=gen).tolist()
+        rows = list(range(batch.num_tokens))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.execute(batch, ids, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

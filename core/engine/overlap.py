@@ -1,0 +1,59 @@
+"""Overlapped scheduling: step N+1 is scheduled and launched before step N's sampled tokens reach the host.
+
+A deferred step samples on the device and starts a non-blocking copy of its tokens to pinned host memory;
+the engine appends a PENDING_TOKEN to each sampled sequence so the scheduler can plan the next step (which
+reads those tokens straight from the device tensor), and resolves the placeholders from the host copy once
+that next step is on the GPU. A sequence that stopped at step N was still computed in step N+1: that row is
+discarded, the price of never waiting.
+
+Steps that need the sampled values on the host before the next one (speculative decoding, penalties,
+logprobs, n > 1 forks, min_tokens still pending) run synchronously, as does everything under expert
+parallelism, whose ranks step in lockstep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens are still being copied to the host."""
+
+    plan: object  # the SchedulerOutput it ran
+    draws: list  # (request, completion index, sequence) per sampled row, in row order
+    tokens: torch.Tensor  # [len(draws)] int64 on the device: the next step's inputs read it directly
+    host: torch.Tensor  # [len(draws)] pinned host copy (the device tensor itself on a CPU)
+    ready: torch.cuda.Event | None  # recorded after the copy; None on a CPU
+    row_of: dict[str, int] = field(default_factory=dict)  # seq_id -> index in tokens
+
+    @classmethod
+    def launch(cls, plan, draws: list, tokens: torch.Tensor) -> InFlightStep:
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens, None
+        return cls(plan, draws, tokens, host, ready, {seq.seq_id: i for i, (_, _, seq) in enumerate(draws)})
+
+    def wait(self) -> list[int]:
+        """The sampled tokens, waiting only for this step's copy (later launches keep running)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def pending_input(row: int) -> int:
+    """How a step's input_ids name "the token sampled in row `row` of the step in flight"."""
+    return -1 - row
+
+
+def resolve_inputs(ids: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    """Replace pending_input() entries of ids (on the device) by the in-flight step's sampled tokens."""
+    if pending is None or not pending.numel():
+        return ids
+    return torch.where(ids < 0, pending[(-1 - ids).clamp(min=0)], ids)
