@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.errors import InvalidInputError
-from deepinfer.quant import FP8_BLOCK, cdiv
+from deepinfer.quant import FP8_BLOCK, FP8_DTYPE, cdiv, dequantize_fp8_per_token_group
 from deepinfer.transfer import to_device_many
 
 KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.uint8}
@@ -171,3 +171,24 @@ class AttentionPlan:
             positions=pos_t,
             **extra,
         )
+
+
+def decode_cache_rows(spec: KVCacheSpec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, entry_size] cache rows -> (c_kv [N, kv_lora_rank], k_pe [N, rope_dim]) in float32."""
+    r = spec.kv_lora_rank
+    if not spec.is_fp8:
+        return rows[:, :r].float(), rows[:, r:].float()
+    s_end = r + 4 * spec.num_scales
+    # .contiguous() before each .view: a byte slice may start at an offset the wider dtype cannot view.
+    q = rows[:, :r].contiguous().view(FP8_DTYPE)
+    scales = rows[:, r:s_end].contiguous().view(torch.float32)
+    rope = rows[:, s_end:].contiguous().view(torch.bfloat16)
+    return dequantize_fp8_per_token_group(q, scales), rope.float()
+
+
+def read_cached_sequence(plan: AttentionPlan, cache: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence `index` of the plan's batch, all seq_len cached tokens: (c_kv, k_pe) in float32. Whole blocks
+    are gathered in table order and the unused tail of the last one dropped."""
+    spec, seq_len = plan.spec, plan.batch.seq_lens[index]
+    blocks = plan.block_table[index, : cdiv(seq_len, spec.block_size)].long()
+    return decode_cache_rows(spec, cache[blocks].reshape(-1, spec.entry_size)[:seq_len])

@@ -38,6 +38,9 @@ class Capabilities:
     kv_cache_dtypes: frozenset[str]  # "bf16", "fp32", "fp8_e4m3", ...
     graph_capture: bool
     dist_backend: str  # torch.distributed backend name: gloo / nccl / hccl
+    # Steps of long prompt chunks run MLA decompressed (keys and values rebuilt from the latent cache, then
+    # dense attention) where that beats the absorbed kernel; see deepinfer.model.mla.
+    decompressed_prefill: bool = False
 
     def describe(self) -> str:
         return (

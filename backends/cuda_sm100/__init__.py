@@ -30,6 +30,7 @@ class CudaSM100Backend(ReferenceBackend):
         kv_cache_dtypes=frozenset({"bf16", "fp8_e4m3"}),
         graph_capture=True,
         dist_backend="nccl",
+        decompressed_prefill=True,
     )
     DEFAULT_DEVICE = "cuda"
 
@@ -37,6 +38,16 @@ class CudaSM100Backend(ReferenceBackend):
         if device is None:
             device = "cuda" if not triton_interpreter_requested() or self._cuda_available() else "cpu"
         super().__init__(device, batch_invariant)
+
+    @property
+    def capabilities(self):
+        # Batch invariance needs every query reduced the same way whatever its chunk: absorbed attention only.
+        caps = type(self).CAPABILITIES
+        if self.batch_invariant:
+            import dataclasses
+
+            return dataclasses.replace(caps, decompressed_prefill=False)
+        return caps
 
     @staticmethod
     def _cuda_available() -> bool:
@@ -121,3 +132,25 @@ class CudaSM100Backend(ReferenceBackend):
         from deepinfer.backends.cuda_sm100 import gemm
 
         return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=getattr(self, "batch_invariant", False))
+
+    # --- MoE communication: in one process, a device-side counting sort and a fused combine (moe_comm.py) ---
+    def _local_moe(self, group) -> bool:
+        import torch.distributed as dist
+
+        if not self._triton_runs_here():
+            return False
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None):
+        if not self._local_moe(group):
+            return super().dispatch(x, topk_ids, topk_weights, num_experts, group)
+        from deepinfer.backends.cuda_sm100 import moe_comm
+
+        return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts)
+
+    def combine(self, dispatched, expert_out):
+        from deepinfer.backends.cuda_sm100 import moe_comm
+
+        if isinstance(getattr(dispatched, "state", None), moe_comm.LocalState):
+            return moe_comm.combine(dispatched, expert_out)
+        return super().combine(dispatched, expert_out)

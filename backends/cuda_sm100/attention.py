@@ -97,18 +97,23 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: small, so that the tests' short sequences are split too
 
 
+SMALL_STEP_KEYS = 32768  # below this many keys in a step, latency beats the partials' traffic
+
+
 def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
     """Keys per split: a power of two giving about two items per SM over the splittable sequences.
 
-    At least 512 on GPUs (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend
-    more on partials than they gain in parallelism), 16 under the interpreter; at most 8192.
+    On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
+    on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
+    items would leave most SMs idle and the partials are small in absolute terms; 16 under the
+    interpreter; at most 8192.
     """
     env = os.environ.get("DEEPINFER_MLA_SPLIT_TOKENS")
     if env:
         return _check_split(int(env))
-    lo = 512 if device.type == "cuda" else 16
-    target = 2 * _num_sms(device)
     total = sum(split_lens)
+    lo = (128 if total <= SMALL_STEP_KEYS else 512) if device.type == "cuda" else 16
+    target = 2 * _num_sms(device)
     s = lo
     while s < 8192 and cdiv(total, s) > target:
         s *= 2
@@ -209,6 +214,20 @@ def _pack(batch, seq_split, dec, pre, device):
     return (dev[:o1].view(_META_ROWS, b), dev[o1:o2], dev[o2:o3].view(-1, 4), dev[o3:].view(-1, 4))
 
 
+def _split_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device) -> int:
+    """This step's own split size (short contexts want small splits, long ones large), doubled until its
+    items and partial rows fit what the captured plan reserved. Any power of two >= 64 keeps the kernels'
+    block-aligned tiles (BN <= 64) that the capture baked in."""
+    lens = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
+    split = max(64, choose_split_tokens(lens, device))
+    while split < plan.split_tokens:
+        dec, _, _, slots = _schedule(batch, split, 0)
+        if len(dec) <= plan.dec_items.shape[0] and slots <= plan.num_slots:
+            break
+        split *= 2
+    return split
+
+
 def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLAPlan:
     if not isinstance(plan, MLAPlan) or plan.fallback:
         raise InvalidInputError("into= needs a kernel plan made by plan_attention (not a reference fallback)")
@@ -219,14 +238,14 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
             f"(got query_lens {batch.query_lens}, captured {old.query_lens})"
         )
     device = plan.seq_lens.device
-    fresh = plan_mla(batch, spec, device, batch_invariant=plan.batch_invariant,
-                     split_tokens=plan.split_tokens or None, max_seq_len=None)
+    n_cap = plan.dec_items.shape[0]
+    split = _split_within(batch, plan, device) if plan.split_tokens else None
+    fresh = plan_mla(batch, spec, device, batch_invariant=plan.batch_invariant, split_tokens=split, max_seq_len=None)
     if fresh.block_table.shape[1] > plan.max_blocks:
         raise InvalidInputError(f"the step needs {fresh.block_table.shape[1]} blocks per sequence; the captured plan "
                                 f"holds {plan.max_blocks} (plan it with a larger max_seq_len)")
-    # Re-schedule with the captured plan's capacities, so item and slot layouts line up.
-    dec, pre, seq_split, slots = _schedule(batch, plan.split_tokens or None, 0)
-    n_cap = plan.dec_items.shape[0]
+    # Re-schedule within the captured plan's capacities, so item and slot layouts line up.
+    dec, pre, seq_split, slots = _schedule(batch, split, 0)
     real = [it for it in dec if it[3] != -2]
     if len(real) > n_cap or slots > plan.num_slots:
         raise InvalidInputError(f"the step needs {len(real)} work items / {slots} partial rows; the captured plan "
@@ -244,7 +263,7 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
     plan.positions.copy_(fresh.positions)
     plan.query_start_loc.copy_(fresh.query_start_loc)
     return dataclasses.replace(plan, batch=batch, dec_max_span=fresh.dec_max_span, pre_max_span=fresh.pre_max_span,
-                               max_splits=fresh.max_splits)
+                               max_splits=fresh.max_splits, split_tokens=split or 0)
 
 
 # --- run ------------------------------------------------------------------------------------------------

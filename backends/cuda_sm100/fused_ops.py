@@ -1,7 +1,8 @@
 """cuda_sm100 fused ops: the MoE gate, activation quantisation and SiLU-and-mul as Triton kernels, plus the
 token sort that lays routed tokens out for the grouped GEMM (contiguous or masked).
 
-rms_norm and apply_rope keep the reference implementations (torch ops on the device).
+rms_norm and apply_rope are one Triton launch each (norm_rope_kernels.py) in place of the reference's chain of
+torch elementwise kernels; shapes and dtypes the kernels do not cover fall back to the reference.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import quant
-from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.checks import FLOAT_DTYPES, check_tensor, values_checkable
 from deepinfer.errors import InvalidInputError
 from deepinfer.ops import FusedOps, RoutingSpec
 
 from deepinfer.backends.cuda_sm100 import gemm
+from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
 from deepinfer.backends.cuda_sm100 import routing_kernels as RK
 
 _MAX_EXPERTS = 1024  # the gate keeps one token's experts in registers
@@ -42,7 +44,30 @@ class SortedTokens:
         return torch.where(self.pair_of_row >= 0, self.pair_of_row // self.top_k, 0)
 
 
+def _triton_device(t: torch.Tensor) -> bool:
+    """Triton runs CUDA tensors, or CPU tensors under the interpreter."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and gemm.interpreting())
+
+
 class CudaFusedOps(FusedOps):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        check_tensor("x", x, dtypes=FLOAT_DTYPES)
+        if x.dim() == 0 or x.shape[-1] > NR.MAX_NORM_DIM or not _triton_device(x):
+            return super().rms_norm(x, weight, eps)
+        check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
+        return NR.rms_norm(x, weight, eps)
+
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        # the reference's checks, in its order; the position range only where reading it back is free
+        check_tensor("x", x, dtypes=FLOAT_DTYPES)
+        check_tensor("positions", positions, ndim=1, shape=[x.shape[0]], dtypes=(torch.int32, torch.int64), device=x.device)
+        check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, shape=[None, x.shape[-1]], device=x.device)
+        if x.dim() < 2 or x.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES or not _triton_device(x):
+            return super().apply_rope(x, positions, cos_sin_cache, interleaved)
+        if x.numel() and values_checkable(positions) and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
+            raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
+        return NR.apply_rope(x, positions, cos_sin_cache, interleaved)
+
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
         if group != quant.FP8_BLOCK or x.dim() == 0:  # the kernel is specialised for DeepSeek's 128

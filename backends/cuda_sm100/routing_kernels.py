@@ -142,3 +142,19 @@ def sort_scatter_kernel(ids_ptr, base_ptr, slot_ptr, pair_ptr, P, E, cap, E_P: t
         ok = ok & (slot - e * cap < cap)
     tl.store(slot_ptr + offs, tl.where(ok, slot, -1), mask=mask)
     tl.store(pair_ptr + slot, offs, mask=ok)
+
+
+@triton.jit
+def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[row[t, j]] in float32, one program per (token, column block): the gather,
+    weighting and reduction of a local MoE combine in one launch. row < 0 (dropped pair) adds nothing."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = cols < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(row_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        v = tl.load(y_ptr + r * stride_y + cols, mask=m & (r >= 0), other=0.0).to(tl.float32)
+        acc += w * v
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)

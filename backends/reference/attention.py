@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from deepinfer.attention import AttentionPlan, KVCacheSpec
+from deepinfer.attention import AttentionPlan, KVCacheSpec, read_cached_sequence
 from deepinfer.checks import FLOAT_DTYPES, check_tensor, same_device
 from deepinfer.errors import InvalidInputError
-from deepinfer.quant import FP8_DTYPE, cdiv, dequantize_fp8_per_token_group, quantize_fp8_per_token_group
+from deepinfer.quant import quantize_fp8_per_token_group
 
 # Upper bound on score elements (heads x queries x keys) held at once: long prefills are split by query.
 _SCORE_BUDGET = 1 << 22
@@ -35,19 +35,6 @@ def encode_rows(spec: KVCacheSpec, c_kv: torch.Tensor, k_pe: torch.Tensor) -> to
     q, scales = quantize_fp8_per_token_group(c_kv)  # e4m3 [T, R], fp32 [T, num_scales]
     rope = k_pe.to(torch.bfloat16).contiguous()
     return torch.cat([q.view(torch.uint8), scales.view(torch.uint8), rope.view(torch.uint8)], dim=-1)
-
-
-def decode_rows(spec: KVCacheSpec, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, entry_size] cache rows -> (c_kv [N, kv_lora_rank], k_pe [N, rope_dim]) in float32."""
-    r = spec.kv_lora_rank
-    if not spec.is_fp8:
-        return rows[:, :r].float(), rows[:, r:].float()
-    s_end = r + 4 * spec.num_scales
-    # .contiguous() before each .view: a byte slice may start at an offset the wider dtype cannot view.
-    q = rows[:, :r].contiguous().view(FP8_DTYPE)
-    scales = rows[:, r:s_end].contiguous().view(torch.float32)
-    rope = rows[:, s_end:].contiguous().view(torch.bfloat16)
-    return dequantize_fp8_per_token_group(q, scales), rope.float()
 
 
 # --- argument checks ---------------------------------------------------------------------------------
@@ -123,9 +110,7 @@ def run_attention(
     lse = torch.empty(num_tokens, heads, dtype=torch.float32, device=device)
     start = 0
     for i, (qlen, slen) in enumerate(zip(plan.batch.query_lens, plan.batch.seq_lens)):
-        # Gather the sequence's whole blocks in table order, then drop the unused tail of the last one.
-        blocks = plan.block_table[i, : cdiv(slen, spec.block_size)].long()
-        c_kv, k_pe = decode_rows(spec, cache[blocks].reshape(-1, spec.entry_size)[:slen])
+        c_kv, k_pe = read_cached_sequence(plan, cache, i)
         key_pos = torch.arange(slen, device=device)
         if batch_invariant:
             for j in range(qlen):

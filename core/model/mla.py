@@ -3,16 +3,26 @@
 Per token the cache holds c_kv = RMSNorm(W_DKV x) (kv_lora_rank values) and the roped shared key k_pe.
 kv_b_proj = [W_UK; W_UV] per head is folded: scores use q_nope @ W_UK (a query in latent space) and the
 latent attention output is mapped back with W_UV, so keys and values are never decompressed.
+
+Long prompt chunks are the exception where the backend offers it (capabilities.decompressed_prefill): per
+query the absorbed form costs (kv_lora_rank + rope) + kv_lora_rank multiply-adds per key and head, the
+decompressed one (nope + rope) + v after rebuilding each key and value once (kv_lora_rank x (nope + v)
+per key and head). Past ~DECOMPRESS_MIN_QUERIES queries per sequence rebuilding wins, and the dense attention
+runs on PyTorch's fused scaled_dot_product_attention (FlashAttention-class on GPUs).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer.attention import read_cached_sequence
 from deepinfer.backend import Backend
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
 from deepinfer.weights import LinearWeight
+
+
+DECOMPRESS_MIN_QUERIES = 128
 
 
 class MLAttention:
@@ -45,6 +55,8 @@ class MLAttention:
         dtype = self.kv_a_layernorm.dtype  # the model's activation dtype
         self.w_uk_t = LinearWeight.dense(kv_b[:, : self.nope, :].transpose(1, 2).contiguous().to(dtype))
         self.w_uv = LinearWeight.dense(kv_b[:, self.nope :, :].contiguous().to(dtype))
+        # The same map as one [H * (nope + v), kv_lora_rank] projection, for decompressing cached latents.
+        self.kv_b = LinearWeight.dense(kv_b.reshape(-1, self.kv_lora_rank).to(dtype))
         self._head_groups: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _per_head(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
@@ -72,12 +84,38 @@ class MLAttention:
         c_kv = ops.rms_norm(kv[:, : self.kv_lora_rank], self.kv_a_layernorm, self.eps)
         k_pe = kv[:, self.kv_lora_rank :]
         positions = ctx.positions
-        q_pe = ops.apply_rope(q_pe.contiguous(), positions, self.cos_sin_cache, self.rope_interleaved)
-        k_pe = ops.apply_rope(k_pe.contiguous(), positions, self.cos_sin_cache, self.rope_interleaved)
+        q_pe = ops.apply_rope(q_pe, positions, self.cos_sin_cache, self.rope_interleaved)
+        k_pe = ops.apply_rope(k_pe, positions, self.cos_sin_cache, self.rope_interleaved)
 
         cache = ctx.kv_caches[layer]
         be.write_cache(ctx.plan, cache, c_kv, k_pe)
+        if be.capabilities.decompressed_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
+            out = self._decompressed(ctx, cache, q_nope, q_pe)
+            return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
         q_latent = self._per_head(q_nope, self.w_uk_t)
         out_latent = be.run_attention(ctx.plan, cache, q_latent, q_pe, self.softmax_scale)
         out = self._per_head(out_latent, self.w_uv)
         return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
+
+    def _decompressed(self, ctx: ForwardContext, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Each sequence's keys and values rebuilt from its cached latents, then causal dense attention of its
+        new queries (the last query_len positions) over all of them -> [T, H, v]."""
+        import torch.nn.functional as F
+        from torch.nn.attention.bias import causal_lower_right
+
+        plan, h, dtype = ctx.plan, self.num_heads, q_nope.dtype
+        out = q_nope.new_empty(q_nope.shape[0], h, self.v_dim)
+        width = self.nope + self.rope  # values are padded to the key width: fused kernels want one head size
+        start = 0
+        for i, (q_len, s_len) in enumerate(zip(plan.batch.query_lens, plan.batch.seq_lens)):
+            c_kv, k_pe = read_cached_sequence(plan, cache, i)
+            kv = self.backend.linear(c_kv.to(dtype), self.kv_b).view(s_len, h, self.nope + self.v_dim)
+            k = torch.cat([kv[..., : self.nope], k_pe.to(dtype)[:, None, :].expand(s_len, h, self.rope)], dim=-1)
+            v = F.pad(kv[..., self.nope :], (0, width - self.v_dim))
+            q = torch.cat([q_nope[start : start + q_len], q_pe[start : start + q_len]], dim=-1)
+            mask = causal_lower_right(q_len, s_len) if q_len < s_len else None
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                               attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
+            out[start : start + q_len] = o[0, :, :, : self.v_dim].transpose(0, 1)
+            start += q_len
+        return out

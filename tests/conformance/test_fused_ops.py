@@ -7,25 +7,92 @@ import math
 import pytest
 import torch
 
+from deepinfer import ops as reference_ops
 from deepinfer.errors import InvalidInputError
-from deepinfer.ops import RopeSpec, RoutingSpec, YarnScaling
+from deepinfer.ops import FusedOps, RopeSpec, RoutingSpec, YarnScaling
 
 
 def _randn(gen, *shape, dtype=torch.float32, device="cpu"):
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 5, 200)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm(backend, gen, shape, dtype):
+@pytest.fixture
+def no_norm_rope_fallback(backend_name, monkeypatch):
+    """cuda_sm100 must run its Triton kernels for these shapes, not fall back to the reference methods."""
+    if backend_name == "cuda_sm100":
+        def fallback(*args, **kwargs):
+            raise AssertionError("cuda_sm100 fell back to the reference rms_norm/apply_rope")
+
+        monkeypatch.setattr(FusedOps, "rms_norm", fallback)
+        monkeypatch.setattr(FusedOps, "apply_rope", fallback)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 5, 200), (13, 512), (2, 7168)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm(backend, gen, shape, dtype, no_norm_rope_fallback):
     x = _randn(gen, *shape, dtype=dtype, device=backend.device)
     w = _randn(gen, shape[-1], dtype=dtype, device=backend.device)
     got = backend.ops.rms_norm(x, w, 1e-6)
     x64, w64 = x.double().cpu(), w.double().cpu()
     want = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
     assert got.dtype == dtype and got.shape == x.shape
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place of a's dtype (a, b finite, same dtype)."""
+    ulp = torch.finfo(a.dtype).eps * torch.maximum(a.double().abs(), b.double().abs()).clamp_min(torch.finfo(a.dtype).tiny)
+    return (a.double() - b.double()).abs() / ulp
+
+
+def _rows(gen, layout, rows, d, dtype, device):
+    """x [rows, d] (or 3-D), contiguous or strided as the model passes it."""
+    if layout == "contiguous":
+        return _randn(gen, rows, d, dtype=dtype, device=device)
+    if layout == "row_slice":  # c_kv = kv[:, :kv_lora_rank] of the kv_a projection
+        return _randn(gen, rows, d + 64, dtype=dtype, device=device)[:, :d]
+    # [3, rows, d] from a transpose: the leading dimensions do not collapse into one row stride
+    return _randn(gen, rows, 3, d, dtype=dtype, device=device).transpose(0, 1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "row_slice", "transposed"])
+@pytest.mark.parametrize("rows,d", [(1, 512), (13, 512), (5, 200), (3, 2048)])
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_rms_norm_matches_reference(backend, gen, layout, rows, d, dtype, w_dtype, no_norm_rope_fallback):
+    x = _rows(gen, layout, rows, d, dtype, backend.device) * 3
+    w = _randn(gen, d, dtype=w_dtype, device=backend.device)
+    got = backend.ops.rms_norm(x, w, 1e-6).cpu()
+    want = reference_ops.rms_norm(x.cpu(), w.cpu(), 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Same float32 operations in the same order except the row sum of squares, which a kernel adds up in its own
+    # (tree) order: mean and rsqrt then differ by a float32 ulp or two, and the output by up to ~3 ulp (measured
+    # up to D=7168). float32 outputs get 8 ulp; narrower outputs are rounded from those float32 values,
+    # so they match bit for bit except where a few-ulp float32 difference straddles a rounding boundary
+    # (<1% of elements; a truncating or double-rounding cast would miss about half of them).
+    ulps = _ulps(got, want)
+    if dtype == torch.float32:
+        assert float(ulps.max()) <= 8, float(ulps.max())
+    else:
+        assert float(ulps.max()) <= 1 and float((got != want).double().mean()) < 0.01
+
+
+def _rope_input(gen, layout, t, dim, dtype, device):
+    """x [T, ..., dim] as MLA hands it to rope: whole tensors or strided slices."""
+    if layout == "q_pe":  # contiguous [T, H, dim]
+        return _randn(gen, t, 16, dim, dtype=dtype, device=device)
+    if layout == "q_pe_slice":  # q[..., nope:] of q [T, H, nope + dim]: strided heads, no copy
+        return _randn(gen, t, 16, 128 + dim, dtype=dtype, device=device)[..., 128:]
+    if layout == "k_pe":  # [T, dim]
+        return _randn(gen, t, dim, dtype=dtype, device=device)
+    if layout == "k_pe_slice":  # kv[:, lora:] of the kv_a projection [T, lora + dim]
+        return _randn(gen, t, 512 + dim, dtype=dtype, device=device)[:, 512:]
+    # [T, 2, 3, dim] whose middle dimensions do not collapse into one stride
+    return _randn(gen, t, 3, 2, dim, dtype=dtype, device=device).transpose(1, 2)
+
+
+ROPE_LAYOUTS = ["q_pe", "q_pe_slice", "k_pe", "k_pe_slice", "uncollapsible"]
 
 
 @pytest.mark.parametrize("n", [1, 48, 1407])
@@ -59,7 +126,7 @@ YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("yarn", [None, YARN, YarnScaling(factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.5)])
 @pytest.mark.parametrize("dim,heads", [(64, 16), (8, 1), (16, 3)])
-def test_rope_closed_form(backend, gen, interleaved, yarn, dim, heads):
+def test_rope_closed_form(backend, gen, interleaved, yarn, dim, heads, no_norm_rope_fallback):
     spec = RopeSpec(dim=dim, theta=10000.0, interleaved=interleaved, yarn=yarn)
     cache = spec.cos_sin_cache(8192, backend.device)
     t = 11
@@ -68,6 +135,37 @@ def test_rope_closed_form(backend, gen, interleaved, yarn, dim, heads):
     got = backend.ops.apply_rope(x, pos, cache, interleaved).double().cpu()
     want = _closed_form_rope(x.cpu(), pos.cpu(), spec.inv_freq(), interleaved, spec.attention_factor)
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("yarn", [None, YARN])
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_rope_matches_reference(backend, gen, interleaved, yarn, layout, dtype, pos_dtype, no_norm_rope_fallback):
+    spec = RopeSpec(dim=64, theta=10000.0, interleaved=interleaved, yarn=yarn)
+    cache = spec.cos_sin_cache(8192, backend.device)
+    t = 13
+    pos = torch.randint(0, 8192, (t,), generator=gen, dtype=pos_dtype).to(backend.device)
+    x = _rope_input(gen, layout, t, spec.dim, dtype, backend.device)
+    before = x.clone()
+    got = backend.ops.apply_rope(x, pos, cache, interleaved).cpu()
+    want = reference_ops.apply_rope(x.cpu(), pos.cpu(), cache.cpu(), interleaved)
+    # The same float32 products and sums in the same order (no FMA contraction), one rounding to x's dtype:
+    # bit for bit.
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+    assert torch.equal(x, before)  # a new tensor, the input untouched
+
+
+@pytest.mark.parametrize("dim", [8, 24])  # half 4 (one pair per lane block) and 12 (a padded block of pairs)
+def test_rope_small_dims_and_bf16_cache(backend, gen, dim, no_norm_rope_fallback):
+    cache = RopeSpec(dim=dim, theta=10000.0).cos_sin_cache(64, backend.device).to(torch.bfloat16)
+    for interleaved in (True, False):
+        x = _randn(gen, 7, 3, dim, device=backend.device)
+        pos = torch.randint(0, 64, (7,), generator=gen).to(backend.device)
+        got = backend.ops.apply_rope(x, pos, cache, interleaved).cpu()
+        assert torch.equal(got, reference_ops.apply_rope(x.cpu(), pos.cpu(), cache.cpu(), interleaved))
 
 
 def test_yarn_inv_freq_matches_transformers():

@@ -90,26 +90,54 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
     assert not graphed.execute(batch, [5, 6], [0, 1]).graphed
 
 
-@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
-def test_graphed_overlapped_engine_generates_the_reference_tokens(tmp_path, gen):
-    """The GPU path changes speed, not answers: greedy decoding through captured graphs and overlapped
-    scheduling gives the reference backend's tokens (float32 activations, bf16 latent cache on both sides).
+@pytest.fixture(scope="module")
+def margin_checkpoint(tmp_path_factory):
+    """A random model with spread-out weights (tiny_checkpoints' gain): greedy choices have real margins."""
+    hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, ())), gain=1.5, max_position_embeddings=256)
+    return str(save_checkpoint(hf, tmp_path_factory.mktemp("margin-model")))
 
-    The model is random with spread-out weights (tiny_checkpoints' gain), so its greedy choices have margins
-    above the bf16 rounding of queries and probabilities inside the attention kernel; wrong cache slots,
-    padding or pending-token bugs change whole continuations."""
-    hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, (), generator=gen)), gain=1.5,
-                        max_position_embeddings=256)
-    path = str(save_checkpoint(hf, tmp_path / "model"))
-    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
-    gpu = LLM(path, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
-    assert gpu.engine.runner.graphs is not None and gpu.engine.engine_config.overlap_scheduling
-    cpu = LLM(path, backend="reference", **common)
-    prompts = [torch.randint(2, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,), generator=gen)]
+
+def _prompts(gen: torch.Generator, count: int) -> list[list[int]]:
+    return [torch.randint(2, 96, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (count,), generator=gen)]
+
+
+@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
+def test_graphs_and_overlap_change_speed_not_tokens(margin_checkpoint, gen):
+    """Batch-invariant kernels: the graphed, overlapped engine and the eager, synchronous one generate the
+    same tokens bit for bit (padding rows and pending tokens leave every real row untouched)."""
+    common = dict(dtype=torch.bfloat16, kv_cache_dtype="bf16", progress=False, block_size=16, batch_invariant=True)
+    fast = LLM(margin_checkpoint, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
+    assert fast.engine.runner.graphs is not None and fast.engine.engine_config.overlap_scheduling
+    slow = LLM(margin_checkpoint, backend="cuda_sm100", enforce_eager=True, overlap_scheduling=False, **common)
+    prompts = _prompts(gen, 12)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
-    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
+def test_graphed_engine_generates_the_reference_tokens(margin_checkpoint, gen):
+    """Greedy tokens of the graphed, overlapped GPU engine against the reference backend (float32 activations,
+    bf16 latent cache on both sides), teacher-forced: every generated token is the reference's greedy choice,
+    except at near-ties the attention kernel's bf16 rounding of queries and probabilities (as FlashMLA's) can
+    flip (log-probability gap below 0.05). Wrong cache slots, padding or pending tokens fail by far."""
+    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
+    gpu = LLM(margin_checkpoint, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
+    assert gpu.engine.runner.graphs is not None
+    cpu = LLM(margin_checkpoint, backend="reference", **common)
+    prompts = _prompts(gen, 12)
+    outs = gpu.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    forced = cpu.generate([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True))
+    exact = 0
+    for prompt, out, ref in zip(prompts, outs, forced):
+        for i, token in enumerate(out.outputs[0].token_ids):
+            scored = ref.prompt_logprobs[len(prompt) + i]
+            best = max(lp.logprob for lp in scored.values())
+            assert best - scored[token].logprob < 0.05, (prompt, i, token, scored)
+            exact += scored[token].rank == 1
+    assert exact >= 0.95 * sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="host synchronisation only exists with a GPU")
