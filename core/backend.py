@@ -153,8 +153,12 @@ class Backend(ABC):
         """x [M, K] @ W^T -> [M, N] in x's dtype (FP8 weights: x quantised per token per 128 channels)."""
 
     @abstractmethod
-    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
-        """Rows of x [M, K] sorted by group; group g's rows (group_sizes[g] of them) use weight[g] [N, K]."""
+    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,
+                       validate: bool = True) -> torch.Tensor:
+        """Rows of x [M, K] sorted by group; group g's rows (group_sizes[g] of them) use weight[g] [N, K].
+
+        validate=False skips checking the sizes' values, a read-back that stalls the host behind queued GPU
+        work (and is illegal in graph capture), for callers that produced them (the model, from dispatch)."""
 
     # --- communication --------------------------------------------------------------------------
     @abstractmethod
@@ -165,8 +169,11 @@ class Backend(ABC):
         topk_weights: torch.Tensor,
         num_experts: int,
         group: Any = None,
+        *,
+        validate: bool = True,
     ) -> Pending[Dispatched]:
-        """Send each token to the ranks owning its chosen experts (experts split evenly, in order)."""
+        """Send each token to the ranks owning its chosen experts (experts split evenly, in order).
+        validate=False skips the range check of topk_ids (a read-back), for ids from the model's router."""
 
     @abstractmethod
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:

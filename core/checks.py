@@ -43,13 +43,6 @@ def check_tensor(
     return t
 
 
-def values_checkable(t: torch.Tensor) -> bool:
-    """Whether checking t's values (reading them back to the host) is free. On a GPU it would stall the host
-    behind every queued kernel, and is illegal while a CUDA graph is captured; GPU paths validate on the host
-    before data reaches the device (positions from the step's plan, routing from the router itself)."""
-    return t.device.type != "cuda"
-
-
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Devices match by type, and by index where both name one (cuda == cuda:0 on a one-GPU process)."""
     a, b = torch.device(a), torch.device(b)

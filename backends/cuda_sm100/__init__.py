@@ -126,12 +126,12 @@ class CudaSM100Backend(ReferenceBackend):
 
         return gemm.linear(x, weight, batch_invariant=getattr(self, "batch_invariant", False))
 
-    def grouped_linear(self, x, weight, group_sizes):
+    def grouped_linear(self, x, weight, group_sizes, *, validate=True):
         if not self._triton_runs_here():
-            return super().grouped_linear(x, weight, group_sizes)
+            return super().grouped_linear(x, weight, group_sizes, validate=validate)
         from deepinfer.backends.cuda_sm100 import gemm
 
-        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=getattr(self, "batch_invariant", False))
+        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
 
     # --- MoE communication: in one process, a device-side counting sort and a fused combine (moe_comm.py) ---
     def _local_moe(self, group) -> bool:
@@ -141,12 +141,12 @@ class CudaSM100Backend(ReferenceBackend):
             return False
         return not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
 
-    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None):
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True):
         if not self._local_moe(group):
-            return super().dispatch(x, topk_ids, topk_weights, num_experts, group)
+            return super().dispatch(x, topk_ids, topk_weights, num_experts, group, validate=validate)
         from deepinfer.backends.cuda_sm100 import moe_comm
 
-        return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts)
+        return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate)
 
     def combine(self, dispatched, expert_out):
         from deepinfer.backends.cuda_sm100 import moe_comm

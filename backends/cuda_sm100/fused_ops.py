@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer import quant
-from deepinfer.checks import FLOAT_DTYPES, check_tensor, values_checkable
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 from deepinfer.ops import FusedOps, RoutingSpec
 
@@ -57,14 +57,15 @@ class CudaFusedOps(FusedOps):
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
         return NR.rms_norm(x, weight, eps)
 
-    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        # the reference's checks, in its order; the position range only where reading it back is free
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
+                   validate: bool = True) -> torch.Tensor:
+        # the reference's checks, in its order
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
         check_tensor("positions", positions, ndim=1, shape=[x.shape[0]], dtypes=(torch.int32, torch.int64), device=x.device)
         check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, shape=[None, x.shape[-1]], device=x.device)
         if x.dim() < 2 or x.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES or not _triton_device(x):
-            return super().apply_rope(x, positions, cos_sin_cache, interleaved)
-        if x.numel() and values_checkable(positions) and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
+            return super().apply_rope(x, positions, cos_sin_cache, interleaved, validate)
+        if validate and x.numel() and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
             raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
         return NR.apply_rope(x, positions, cos_sin_cache, interleaved)
 

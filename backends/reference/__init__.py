@@ -58,11 +58,13 @@ class ReferenceBackend(Backend):
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         return gemm.linear(x, weight, self.batch_invariant)
 
-    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor) -> torch.Tensor:
-        return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)
+    def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,
+                       validate: bool = True) -> torch.Tensor:
+        return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)  # reads the sizes anyway
 
-    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None) -> Pending[Dispatched]:
-        return comm.dispatch(x, topk_ids, topk_weights, num_experts, group)
+    def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None, *,
+                 validate: bool = True) -> Pending[Dispatched]:
+        return comm.dispatch(x, topk_ids, topk_weights, num_experts, group, validate)
 
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
         return comm.combine(dispatched, expert_out)

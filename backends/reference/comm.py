@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend import Dispatched, Pending
-from deepinfer.checks import FLOAT_DTYPES, check_same_length, check_tensor, values_checkable
+from deepinfer.checks import FLOAT_DTYPES, check_same_length, check_tensor
 from deepinfer.errors import InvalidInputError
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -42,15 +42,16 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any = None) -> Pending[Dispatched]:
+def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any = None,
+             validate: bool = True) -> Pending[Dispatched]:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INT_DTYPES, device=x.device)
     check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=FLOAT_DTYPES, device=x.device)
     check_same_length("x", x, "topk_ids", topk_ids)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise InvalidInputError(f"num_experts must be a positive int, got {num_experts!r}")
-    # Bad ids would silently misroute rows; checked where that is free (on a GPU the ids come from the router).
-    if topk_ids.numel() and values_checkable(topk_ids) and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+    # Bad ids would silently misroute rows (validate=False: ids from the model's own router).
+    if validate and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise InvalidInputError(f"topk_ids must lie in [0, {num_experts}), got values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
     world, rank = _world(group)
     if num_experts % world:

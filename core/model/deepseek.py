@@ -151,4 +151,5 @@ class DeepseekModel:
         `hidden` is the target model's final-normed hidden state (vLLM and SGLang feed the same), or the
         previous MTP step's output when drafting autoregressively.
         """
+        self._check_positions(ctx)
         return self.mtp[k].forward(self.embed(next_ids), hidden, ctx)

@@ -52,7 +52,7 @@ class GatedMLP:
     def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None) -> torch.Tensor:
         if group_sizes is None:
             return self.backend.linear(x, weight)
-        return self.backend.grouped_linear(x, weight, group_sizes)
+        return self.backend.grouped_linear(x, weight, group_sizes, validate=False)  # sizes from dispatch
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
         if self.gate_up is not None:

@@ -61,9 +61,10 @@ class MoE:
         if self.load_hook is not None:
             self.load_hook(ids)
         if self.placement is None:
-            pending = be.dispatch(x, ids, weights, self.routing.num_experts)
+            pending = be.dispatch(x, ids, weights, self.routing.num_experts, validate=False)  # ids from the router
         else:
-            pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group)
+            pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group,
+                                  validate=False)
         # Shared experts need no routed tokens: compute them while the dispatch is in flight.
         shared = self.shared_experts.forward(x) if self.shared_experts is not None else None
         dispatched = pending.wait()

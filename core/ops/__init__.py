@@ -28,8 +28,9 @@ class FusedOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
-    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        return apply_rope(x, positions, cos_sin_cache, interleaved)
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
+                   validate: bool = True) -> torch.Tensor:
+        return apply_rope(x, positions, cos_sin_cache, interleaved, validate)
 
     def select_experts(
         self, router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.checks import FLOAT_DTYPES, check_tensor, values_checkable
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 
 
@@ -89,12 +89,14 @@ class RopeSpec:
         return cache.to(device=device, dtype=torch.float32)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [T, ..., dim] by positions [T]; returns a new tensor in x's dtype."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
+               validate: bool = True) -> torch.Tensor:
+    """Rotate x [T, ..., dim] by positions [T]; returns a new tensor in x's dtype. validate=False skips the
+    range check of positions (a read-back) for callers that checked them on the host, as the model does."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     check_tensor("positions", positions, ndim=1, shape=[x.shape[0]], dtypes=(torch.int32, torch.int64), device=x.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, shape=[None, x.shape[-1]], device=x.device)
-    if x.numel() and values_checkable(positions) and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
+    if validate and x.numel() and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
         raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
     half = x.shape[-1] // 2
     cs = cos_sin_cache.index_select(0, positions.long()).float()

@@ -50,7 +50,9 @@ def test_backend_without_graphs_is_refused(checkpoint):
 
 @pytest.mark.skipif(not CUDA_USABLE, reason="cuda_sm100 is not usable here")
 def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
-    backend = load_backend("cuda_sm100")
+    # Batch-invariant kernels: a row's result cannot depend on the padding rows beside it or on the KV split,
+    # so replays must equal eager forwards bit for bit (else a near-tied expert of the random router may flip).
+    backend = load_backend("cuda_sm100", batch_invariant=True)
     config = ModelConfig.from_hf_dir(checkpoint)
     model = load_model(checkpoint, backend, config=config, dtype=torch.float32)
     num_blocks, max_len = 12, 64
@@ -81,7 +83,7 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
         got = graphed.execute(batch, tokens, list(range(live)))
         want = eager.execute(batch, tokens, list(range(live)))
         assert got.graphed and not want.graphed and got.logits.shape == want.logits.shape
-        torch.testing.assert_close(got.logits, want.logits, rtol=2e-3, atol=2e-3)
+        assert torch.equal(got.logits, want.logits)
     for cache in graphed.kv_caches:
         assert not cache[9:num_blocks].any(), "padding rows wrote outside the sink block"
         assert cache[sink].any()
@@ -117,27 +119,39 @@ def test_graphs_and_overlap_change_speed_not_tokens(margin_checkpoint, gen):
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
-def test_graphed_engine_generates_the_reference_tokens(margin_checkpoint, gen):
-    """Greedy tokens of the graphed, overlapped GPU engine against the reference backend (float32 activations,
-    bf16 latent cache on both sides), teacher-forced: every generated token is the reference's greedy choice,
-    except at near-ties the attention kernel's bf16 rounding of queries and probabilities (as FlashMLA's) can
-    flip (log-probability gap below 0.05). Wrong cache slots, padding or pending tokens fail by far."""
+def test_graphed_engine_generates_the_reference_tokens(tmp_path, gen):
+    """The GPU path changes speed, not answers: greedy tokens of the graphed, overlapped engine equal the
+    reference backend's on a small dense model (float32 activations, bf16 latent cache on both sides)."""
+    hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, (), generator=gen)), gain=1.5,
+                        max_position_embeddings=256, first_k_dense_replace=3)
+    path = str(save_checkpoint(hf, tmp_path / "dense"))
+    common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
+    gpu = LLM(path, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
+    assert gpu.engine.runner.graphs is not None
+    cpu = LLM(path, backend="reference", **common)
+    prompts = _prompts(gen, 12)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    assert got == want
+
+
+@pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
+def test_graphed_moe_engine_follows_the_reference(margin_checkpoint, gen):
+    """With a random MoE router the kernels' bf16 rounding (queries and probabilities in attention, as
+    FlashMLA's) now and then flips a near-tied expert, which moves that one position's logits by up to a few
+    nats (the same happens on the CPU under the Triton interpreter, without graphs). Teacher-forced against
+    the reference, nearly every generated token is still its greedy choice."""
     common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
     gpu = LLM(margin_checkpoint, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
-    assert gpu.engine.runner.graphs is not None
     cpu = LLM(margin_checkpoint, backend="reference", **common)
     prompts = _prompts(gen, 12)
     outs = gpu.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     forced = cpu.generate([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)],
                           SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True))
-    exact = 0
-    for prompt, out, ref in zip(prompts, outs, forced):
-        for i, token in enumerate(out.outputs[0].token_ids):
-            scored = ref.prompt_logprobs[len(prompt) + i]
-            best = max(lp.logprob for lp in scored.values())
-            assert best - scored[token].logprob < 0.05, (prompt, i, token, scored)
-            exact += scored[token].rank == 1
-    assert exact >= 0.95 * sum(len(o.outputs[0].token_ids) for o in outs)
+    ranks = [ref.prompt_logprobs[len(p) + i][token].rank
+             for p, out, ref in zip(prompts, outs, forced) for i, token in enumerate(out.outputs[0].token_ids)]
+    assert sum(r == 1 for r in ranks) >= 0.95 * len(ranks), ranks
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="host synchronisation only exists with a GPU")
