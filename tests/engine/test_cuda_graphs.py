@@ -118,10 +118,25 @@ def test_graphs_and_overlap_change_speed_not_tokens(margin_checkpoint, gen):
     assert got == want
 
 
+def _teacher_forced(cpu: LLM, prompts: list[list[int]], outs) -> list[tuple[int, float]]:
+    """(rank, log-prob gap to the best token) under the reference of each token the engine generated."""
+    forced = cpu.generate([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True))
+    scored = []
+    for p, out, ref in zip(prompts, outs, forced):
+        for i, token in enumerate(out.outputs[0].token_ids):
+            lps = ref.prompt_logprobs[len(p) + i]
+            scored.append((lps[token].rank, max(lp.logprob for lp in lps.values()) - lps[token].logprob))
+    return scored
+
+
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
 def test_graphed_engine_generates_the_reference_tokens(tmp_path, gen):
-    """The GPU path changes speed, not answers: greedy tokens of the graphed, overlapped engine equal the
-    reference backend's on a small dense model (float32 activations, bf16 latent cache on both sides)."""
+    """The GPU path changes speed, not answers: on a small dense model (float32 activations, bf16 latent
+    cache on both sides) every token the graphed, overlapped engine generates is the reference backend's
+    greedy choice given the same prefix, except at near-ties (gap below 0.05 nats) that the attention
+    kernel's bf16 rounding of queries and probabilities (as FlashMLA's) can flip; once flipped, the two
+    continuations differ, which is why this is checked teacher-forced rather than as equal lists."""
     hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, (), generator=gen)), gain=1.5,
                         max_position_embeddings=256, first_k_dense_replace=3)
     path = str(save_checkpoint(hf, tmp_path / "dense"))
@@ -130,27 +145,23 @@ def test_graphed_engine_generates_the_reference_tokens(tmp_path, gen):
     assert gpu.engine.runner.graphs is not None
     cpu = LLM(path, backend="reference", **common)
     prompts = _prompts(gen, 12)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
-    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
-    assert got == want
+    outs = gpu.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    scored = _teacher_forced(cpu, prompts, outs)
+    assert all(gap < 0.05 for _, gap in scored), [s for s in scored if s[0] > 1]
+    assert sum(rank == 1 for rank, _ in scored) >= 0.98 * len(scored)
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
 def test_graphed_moe_engine_follows_the_reference(margin_checkpoint, gen):
-    """With a random MoE router the kernels' bf16 rounding (queries and probabilities in attention, as
-    FlashMLA's) now and then flips a near-tied expert, which moves that one position's logits by up to a few
-    nats (the same happens on the CPU under the Triton interpreter, without graphs). Teacher-forced against
-    the reference, nearly every generated token is still its greedy choice."""
+    """With a random MoE router that rounding now and then also flips a near-tied expert, which moves that
+    one position's logits by up to a few nats (the same happens on the CPU under the Triton interpreter,
+    without graphs). Teacher-forced against the reference, nearly every token is still its greedy choice."""
     common = dict(dtype=torch.float32, kv_cache_dtype="bf16", progress=False, block_size=16)
     gpu = LLM(margin_checkpoint, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
     cpu = LLM(margin_checkpoint, backend="reference", **common)
     prompts = _prompts(gen, 12)
     outs = gpu.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    forced = cpu.generate([p + o.outputs[0].token_ids for p, o in zip(prompts, outs)],
-                          SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True))
-    ranks = [ref.prompt_logprobs[len(p) + i][token].rank
-             for p, out, ref in zip(prompts, outs, forced) for i, token in enumerate(out.outputs[0].token_ids)]
+    ranks = [rank for rank, _ in _teacher_forced(cpu, prompts, outs)]
     assert sum(r == 1 for r in ranks) >= 0.95 * len(ranks), ranks
 
 
