@@ -82,6 +82,18 @@ class STSCalibration:
         out = [_scale(conf[..., k], self.temperatures[k]) for k in range(n)]
         return torch.stack(out, dim=-1).to(conf.dtype) if out else conf
 
+    def calibrate_list(self, conf: list[float]) -> list[float]:
+        """calibrate() for one draft's few confidences in plain float64 math (no tensor ops: the engine calls
+        this per request per step)."""
+        if len(conf) > len(self.temperatures):
+            raise ConfigError(f"calibration covers {len(self.temperatures)} positions, got confidences for {len(conf)}")
+        out = []
+        for c, t in zip(conf, self.temperatures):
+            c = min(max(float(c), _EPS), 1 - _EPS)
+            z = math.log(c / (1 - c)) / t
+            out.append(1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z)))
+        return out
+
     def to_json(self) -> dict:
         return {"method": "sequential_temperature_scaling", "temperatures": list(self.temperatures)}
 

@@ -9,8 +9,9 @@ Algorithm 1 (hardware-aware prefix scheduler): the step sends B tokens to the ta
 anchors included) and expects tau accepted tokens (one per sampling sequence plus sum of admitted a_{r,j});
 draft tokens are admitted across the whole batch in descending a_{r,j} while tau * SPS(B) keeps growing,
 stopping at the first admission that does not raise it (the early stop is what keeps it causal). SPS(B)
-comes from sps_profile.SPSCurve, whose time curve is made convex so that the objective is unimodal and the
-early stop finds the same optimum a global search would (the paper's sec. 5.2 reaches jagged curves by an
+comes from sps_profile.SPSCurve (or, as the engine profiles it, an SPSTable read at the step's sequence count:
+along the path the sequences are fixed and only the tokens grow), whose time curve is made convex so that the
+objective is unimodal and the early stop finds the same optimum a global search would (the paper's sec. 5.2 reaches jagged curves by an
 asynchronous global search instead; this engine is synchronous, so it keeps the causal form). The profile
 times the target forward alone; `overhead` adds the rest of an engine step (drafting, sampling, scheduling),
 measured on past steps, so that SPS is the engine's steps per second as the paper defines it. A constant
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepinfer.errors import ConfigError
-from deepinfer.spec.sps_profile import SPSCurve
+from deepinfer.spec.sps_profile import SPSCurve, SPSTable
 
 
 def survival(confidence: Sequence[float]) -> list[float]:
@@ -83,7 +84,7 @@ class PrefixScheduler:
 
     mode: str
     threshold: float = 0.0
-    curve: SPSCurve | None = None
+    curve: SPSCurve | SPSTable | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("fixed", "threshold", "hardware"):
@@ -94,8 +95,9 @@ class PrefixScheduler:
             raise ConfigError("the hardware-aware prefix scheduler needs an SPS curve")
 
     def lengths(self, confidences: Sequence[Sequence[float] | None], proposed: Sequence[int], base_tokens: int,
-                base_accepts: float, overhead: float = 0.0) -> list[int]:
-        """Verification lengths; a request without confidences keeps its whole proposal."""
+                base_accepts: float, overhead: float = 0.0, num_seqs: int | None = None) -> list[int]:
+        """Verification lengths; a request without confidences keeps its whole proposal. num_seqs: sequences in
+        the step (reads an SPSTable's row; default: the requests given)."""
         if self.mode == "fixed":
             return list(proposed)
         scored = [i for i, c in enumerate(confidences) if c is not None]
@@ -107,7 +109,10 @@ class PrefixScheduler:
             cut = threshold_lengths(conf, self.threshold)
         else:
             unscored = sum(proposed[i] for i in range(len(proposed)) if confidences[i] is None)
-            cut = hardware_aware_lengths(conf, self.curve, base_tokens + unscored, base_accepts, overhead)
+            curve = self.curve
+            if isinstance(curve, SPSTable):
+                curve = curve.for_seqs(max(1, num_seqs if num_seqs is not None else len(confidences)))
+            cut = hardware_aware_lengths(conf, curve, base_tokens + unscored, base_accepts, overhead)
         for i, n in zip(scored, cut):
             out[i] = n
         return out

@@ -5,7 +5,8 @@ Built from EngineConfig by `build_speculator`:
   speculative_engine="dspark" the DSpark drafter in dspark_model (default: <model>/dspark), block of
                               num_speculative_tokens (default: the drafter's block size); verification length
                               by dspark_confidence_threshold when set (0 verifies the whole block), else by
-                              Algorithm 1 over the SPS curve profiled at start-up (cached on disk) or given
+                              Algorithm 1 over the SPS table profiled at start-up (one step-time curve per
+                              sequence count, read at the step's count; cached on disk) or the curve given
                               in speculative_sps_table.
 """
 
@@ -21,8 +22,8 @@ from deepinfer.errors import ConfigError
 from deepinfer.spec.drafter import Drafter, DraftRequest, Observation, Proposal
 from deepinfer.spec.metrics import SpecDecodeMetrics
 from deepinfer.spec.prefix_scheduler import PrefixScheduler
-from deepinfer.spec.sps_profile import (DEFAULT_GRID, SPSCurve, cache_key, default_cache_dir, load_or_profile, profile,
-                                        runner_step_timer)
+from deepinfer.spec.sps_profile import (SPSCurve, SPSTable, cache_key, default_cache_dir, load_or_profile,
+                                        profile_table, runner_step_timer, seq_grid, step_time)
 from deepinfer.spec.verifier import VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,14 @@ class Speculator:
         self.metrics = metrics or SpecDecodeMetrics(drafter.max_draft_tokens)
         self.step_overhead = 0.0  # seconds per step outside the target forward (moving average), for Algorithm 1
         self._steps_timed = 0
+        self._last_seqs: int | None = None  # sequences of the step proposed last
 
     def step_done(self, seconds: float, num_tokens: int) -> None:
         """A whole engine step took `seconds` for a forward of num_tokens: learn the time the SPS profile (the
         forward alone) leaves out."""
         if self.scheduler.curve is None:
             return
-        rest = max(0.0, seconds - self.scheduler.curve.time(num_tokens))
+        rest = max(0.0, seconds - step_time(self.scheduler.curve, num_tokens, self._last_seqs))
         self._steps_timed += 1
         weight = max(0.05, 1.0 / self._steps_timed)  # a plain mean at first, then an exponential average
         self.step_overhead += weight * (rest - self.step_overhead)
@@ -77,11 +79,12 @@ class Speculator:
             if p.confidence is None or not p.tokens:
                 confidences.append(None)
             elif calib is not None:
-                confidences.append(calib.calibrate(torch.tensor(p.confidence, dtype=torch.float64)).tolist())
+                confidences.append(calib.calibrate_list(p.confidence))
             else:
                 confidences.append(list(p.confidence))
+        self._last_seqs = max(1, int(base_accepts))
         lengths = self.scheduler.lengths(confidences, [len(p.tokens) for p in proposals], base_tokens, base_accepts,
-                                         self.step_overhead)
+                                         self.step_overhead, num_seqs=self._last_seqs)
         drafts = {}
         for req, p, n in zip(requests, proposals, lengths):
             if p.tokens:
@@ -102,18 +105,20 @@ class Speculator:
         self.drafter.release(seq_id)
 
 
-def _sps_curve(engine_config, runner, draft_len: int, backend_name: str) -> SPSCurve:
+def _sps_curve(engine_config, runner, draft_len: int, backend_name: str) -> SPSCurve | SPSTable:
+    """The user's table (one curve over tokens), else a table over (tokens, sequences) profiled at start-up:
+    one curve per sequence count R in seq_grid(max_num_seqs), B = R .. R (1 + k) tokens (cached on disk)."""
     if engine_config.speculative_sps_table:
         return SPSCurve(tuple((int(b), float(t)) for b, t in engine_config.speculative_sps_table))
-    top = min(engine_config.max_num_batched_tokens + engine_config.max_num_seqs * draft_len, DEFAULT_GRID[-1] * 2)
-    grid = tuple(b for b in DEFAULT_GRID if b < top) + (top,)
+    seqs = seq_grid(engine_config.max_num_seqs)
     cache_dir = None if engine_config.speculative_sps_cache == "off" else (
         Path(engine_config.speculative_sps_cache) if engine_config.speculative_sps_cache else default_cache_dir())
     key = cache_key(engine_config.model, backend_name, str(runner.model.embed_tokens.dtype), runner.spec.dtype,
-                    draft_len, grid, runner.backend.device)
-    curve, cached = load_or_profile(cache_dir, key, lambda: profile(runner_step_timer(runner, draft_len), grid))
-    logger.info("SPS curve (%s): %s", "cached" if cached else "profiled",
-                ", ".join(f"B={b}: {1 / t:.1f}/s" for b, t in curve.points))
+                    draft_len, [[r, draft_len] for r in seqs], runner.backend.device)
+    timer = runner_step_timer(runner, draft_len)
+    curve, cached = load_or_profile(cache_dir, key, lambda: profile_table(timer, seqs, draft_len))
+    logger.info("SPS table (%s): %s", "cached" if cached else "profiled",
+                "; ".join(f"R={r}: " + ", ".join(f"B={b}: {1 / t:.1f}/s" for b, t in c.points) for r, c in curve.rows))
     return curve
 
 

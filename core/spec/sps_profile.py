@@ -7,6 +7,13 @@ threads, device, grid), so later starts read it instead of profiling again.
 
 Measured step times are noisy and jagged; the curve keeps the lower convex hull of the running maximum of
 the times, so time(B) is non-decreasing and convex and tau * SPS(B) is unimodal along Algorithm 1's path.
+
+A step's time depends on how many sequences share its B tokens, not only on B (attention, sampling and the
+host work per sequence): B tokens as B / (1 + k) sequences cost less than the same B as R decode sequences
+with short drafts. Along Algorithm 1's path the sequences are fixed (R) and only B grows, so the engine
+profiles an SPSTable: one curve per sequence count R on a grid, each over B = R, R + R, ..., R (1 + k)
+tokens split evenly over exactly R sequences, and a step of R sequences reads the curve interpolated
+linearly between its two neighbouring grid rows (still non-decreasing and convex in B).
 """
 
 from __future__ import annotations
@@ -65,6 +72,73 @@ class SPSCurve:
         return cls(tuple((int(b), float(t)) for b, t in data))
 
 
+def seq_grid(max_seqs: int) -> tuple[int, ...]:
+    """Sequence counts profiled: powers of two up to max_seqs, and max_seqs itself."""
+    out, r = [], 1
+    while r < max_seqs:
+        out.append(r)
+        r *= 2
+    return tuple(out) + (max(1, max_seqs),)
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """Step time over (tokens, sequences): rows of (sequence count R, SPSCurve over tokens)."""
+
+    rows: tuple[tuple[int, SPSCurve], ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows or any(r < 1 for r, _ in self.rows) or len({r for r, _ in self.rows}) != len(self.rows):
+            raise ConfigError(f"an SPS table needs rows of distinct sequence counts >= 1, got {[r for r, _ in self.rows]}")
+        object.__setattr__(self, "rows", tuple(sorted(self.rows, key=lambda x: x[0])))
+
+    def time(self, tokens: float, seqs: int | None = None) -> float:
+        """Step time of `tokens` over `seqs` sequences (default: the largest profiled count)."""
+        rows = self.rows
+        if seqs is None or seqs >= rows[-1][0]:
+            return rows[-1][1].time(tokens)
+        if seqs <= rows[0][0]:
+            return rows[0][1].time(tokens)
+        for (r0, c0), (r1, c1) in zip(rows, rows[1:]):
+            if seqs <= r1:
+                w = (seqs - r0) / (r1 - r0)
+                return (1 - w) * c0.time(tokens) + w * c1.time(tokens)
+        raise AssertionError("unreachable")
+
+    def for_seqs(self, seqs: int) -> _TableRow:
+        return _TableRow(self, seqs)
+
+    @property
+    def points(self) -> tuple[tuple[int, float], ...]:
+        """The largest row's measured points (what a single curve would show)."""
+        return self.rows[-1][1].points
+
+    def to_json(self) -> dict:
+        return {"rows": [[r, c.to_json()] for r, c in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SPSTable:
+        return cls(tuple((int(r), SPSCurve.from_json(c)) for r, c in data["rows"]))
+
+
+@dataclass(frozen=True)
+class _TableRow:
+    """One sequence count's view of an SPSTable, with SPSCurve's time / sps."""
+
+    table: SPSTable
+    seqs: int
+
+    def time(self, tokens: float) -> float:
+        return self.table.time(tokens, self.seqs)
+
+    def sps(self, tokens: float) -> float:
+        return 1.0 / self.time(tokens)
+
+
+def step_time(curve: SPSCurve | SPSTable, tokens: float, seqs: int | None) -> float:
+    return curve.time(tokens, seqs) if isinstance(curve, SPSTable) else curve.time(tokens)
+
+
 def _convex_hull(points: list[tuple[int, float]]) -> list[tuple[float, float]]:
     """Lower convex hull of the running maximum of the times (non-decreasing, convex)."""
     running, best = [], 0.0
@@ -90,19 +164,31 @@ def profile(step_seconds: Callable[[int], float], grid: Sequence[int]) -> SPSCur
     return SPSCurve(tuple((b, step_seconds(b)) for b in grid))
 
 
-def runner_step_timer(runner, draft_len: int, context_len: int = 64, repeats: int = 5) -> Callable[[int], float]:
+def profile_table(step_seconds: Callable[[int, int], float], seqs_grid: Sequence[int], draft_len: int) -> SPSTable:
+    """step_seconds(tokens, seqs): one curve per R in seqs_grid over B = R (1 + j), j = 0..draft_len."""
+    return SPSTable(tuple((r, SPSCurve(tuple((r * (1 + j), step_seconds(r * (1 + j), r)) for j in range(draft_len + 1))))
+                          for r in seqs_grid))
+
+
+def runner_step_timer(runner, draft_len: int, context_len: int = 64, repeats: int = 5) -> Callable[..., float]:
     """Fastest of `repeats` runner.execute on a synthetic verification batch of B tokens (the minimum: other
-    processes only ever add time): ceil(B / (1 + k))
-    sequences of at most 1 + k queries each, over `context_len` cached tokens, logits for every row. All
+    processes only ever add time): `seqs` sequences sharing the B tokens evenly (default ceil(B / (1 + k))
+    sequences of at most 1 + k queries each), over `context_len` cached tokens, logits for every row. All
     sequences share one block table (the cache is empty at start-up; what it holds does not matter)."""
     spec = runner.spec
     per_seq = 1 + draft_len
     ctx = max(0, min(context_len, spec.num_blocks * spec.block_size - per_seq))
     table = tuple(range(cdiv(ctx + per_seq, spec.block_size)))
 
-    def run(tokens: int) -> float:
-        n = cdiv(tokens, per_seq)
-        qlens = [per_seq] * (n - 1) + [tokens - per_seq * (n - 1)]
+    def run(tokens: int, seqs: int | None = None) -> float:
+        if seqs is None:
+            n = cdiv(tokens, per_seq)
+            qlens = [per_seq] * (n - 1) + [tokens - per_seq * (n - 1)]
+        else:
+            n = max(1, min(seqs, tokens))
+            if tokens > n * per_seq:
+                raise ConfigError(f"{tokens} tokens over {n} sequences exceed {per_seq} per sequence")
+            qlens = [tokens // n + (1 if i < tokens % n else 0) for i in range(n)]
         batch = AttentionBatch(tuple(qlens), tuple(ctx + q for q in qlens), (table,) * n)
         ids = [2 + (i % 7) for i in range(tokens)]
         rows = list(range(tokens))
@@ -138,7 +224,11 @@ def cache_key(model_dir: str, backend: str, dtype: str, kv_dtype: str, draft_len
             "device": hw, "cpus": os.cpu_count()}
 
 
-def load_or_profile(cache_dir: Path | None, key: dict, measure: Callable[[], SPSCurve]) -> tuple[SPSCurve, bool]:
+def _decode(points) -> SPSCurve | SPSTable:
+    return SPSTable.from_json(points) if isinstance(points, dict) else SPSCurve.from_json(points)
+
+
+def load_or_profile(cache_dir: Path | None, key: dict, measure: Callable[[], SPSCurve | SPSTable]) -> tuple[SPSCurve | SPSTable, bool]:
     """(curve, True if read from the cache). cache_dir None profiles without caching."""
     if cache_dir is None:
         return measure(), False
@@ -148,8 +238,8 @@ def load_or_profile(cache_dir: Path | None, key: dict, measure: Callable[[], SPS
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             if data.get("key") == key:
-                return SPSCurve.from_json(data["points"]), True
-        except (OSError, ValueError, KeyError, ConfigError):
+                return _decode(data["points"]), True
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
             pass  # a damaged cache entry is re-measured
     curve = measure()
     try:

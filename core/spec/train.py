@@ -8,6 +8,8 @@ a + k from the context before a, the anchor, and (Markov head, teacher-forced) t
 Loss per position, weighted by w_k = exp(-(k - 1) / position_decay):
   0.1 * CE(p_draft, x*) + 0.9 * ||p_draft - p_target||_1 + 1.0 * BCE(c_k, 1 - TV(p_draft, p_target))
 with the confidence label detached. The target's embedding and LM head are shared and frozen.
+Everything runs on the target's device (`train-dspark --device cuda` trains the target features, the pool and
+the drafter on a GPU; the saved drafter is moved back to the CPU).
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ class TargetRunner:
         self.batch_size, self.seq_len = batch_size, seq_len
         self.plan = prefill_plan(model.backend, model.config, batch_size, seq_len)
         self.caches = tuple(model.backend.allocate_kv_cache(self.plan.spec) for _ in range(model.num_cache_layers))
+        self.device = model.embed_tokens.device
 
     @torch.no_grad()  # not inference_mode: the drafter's autograd saves these inputs
     def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (captured [B, T, m * hidden] float32, final hidden [B, T, hidden])."""
         b, t = tokens.shape
+        tokens = tokens.to(self.device)
         hidden, captured = self.model.forward_capture(tokens.reshape(-1), ForwardContext(self.plan, self.caches), self.layers)
         feats = torch.cat([c.float() for c in captured], dim=-1).view(b, t, -1)
         return feats, hidden.view(b, t, -1)
@@ -105,8 +109,10 @@ def make_batch(target: TargetRunner, tokens: torch.Tensor, anchors: torch.Tensor
                features: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockBatch:
     """features: (captured, final hidden) of `tokens` computed before (a FeaturePool); else the target runs now."""
     captured, hidden = features if features is not None else target(tokens)
-    pos = anchors[..., None] + torch.arange(block)  # rows a .. a + G - 1 predict tokens a + 1 .. a + G
-    rows = hidden[torch.arange(tokens.shape[0])[:, None, None], pos]
+    dev = hidden.device
+    tokens, anchors = tokens.to(dev), anchors.to(dev)
+    pos = anchors[..., None] + torch.arange(block, device=dev)  # rows a .. a + G - 1 predict tokens a + 1 .. a + G
+    rows = hidden[torch.arange(tokens.shape[0], device=dev)[:, None, None], pos]
     return BlockBatch(tokens, anchors, captured.float(), target.probs(rows))
 
 
@@ -138,14 +144,15 @@ def block_outputs(model: DSparkModel, batch: BlockBatch) -> tuple[torch.Tensor, 
     """(draft log-probs [B, A, G, V], confidence logits [B, A, G], true next tokens [B, A, G]), teacher-forced."""
     cfg = model.cfg
     b, t = batch.tokens.shape
-    positions = torch.arange(t)
+    dev = batch.tokens.device
+    positions = torch.arange(t, device=dev)
     kv = model.context_kv(model.context_features(batch.captured), positions.expand(b, t))
     a = batch.anchors
     mask = (positions[None, None, :] < a[..., None]) & (positions[None, None, :] >= a[..., None] - cfg.window)
     anchor_ids = batch.tokens.gather(1, a)
     h, base = model.backbone(anchor_ids, a, kv, mask)
-    pos = a[..., None] + torch.arange(cfg.block_size)
-    index = torch.arange(b)[:, None, None]
+    pos = a[..., None] + torch.arange(cfg.block_size, device=dev)
+    index = torch.arange(b, device=dev)[:, None, None]
     prev, nxt = batch.tokens[index, pos], batch.tokens[index, pos + 1]
     e = model.markov(prev)
     logp = (base + model.transition(e)).log_softmax(-1)
@@ -159,7 +166,7 @@ def dspark_loss(model: DSparkModel, batch: BlockBatch, s: DSparkTrainSettings) -
     l1 = (p - batch.p_target).abs().sum(-1)
     label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
     bce = F.binary_cross_entropy_with_logits(conf_logit, label, reduction="none")
-    w = s.position_weights(model.cfg.block_size)
+    w = s.position_weights(model.cfg.block_size).to(logp.device)
     per_pos = s.ce_weight * ce + s.tv_weight * l1 + s.conf_weight * bce
     loss = (per_pos * w).sum(-1).mean()
     with torch.no_grad():
@@ -169,6 +176,7 @@ def dspark_loss(model: DSparkModel, batch: BlockBatch, s: DSparkTrainSettings) -
             "top1": (logp.argmax(-1) == batch.p_target.argmax(-1)).float().mean(dim=(0, 1)),  # greedy agreement
             "conf": torch.sigmoid(conf_logit).mean(dim=(0, 1)),
         }
+        stats = {k: v.cpu() for k, v in stats.items()}
     return loss, stats
 
 
@@ -231,11 +239,14 @@ def evaluate(model: DSparkModel, target: TargetRunner, stream: torch.Tensor, set
     s, g = settings, model.cfg.block_size
     gen = torch.Generator().manual_seed(12345)
     n = min(max_windows, stream.numel() // s.seq_len)
+    b = min(target.batch_size, n)
+    if b < target.batch_size:  # the runner's plan is for exactly target.batch_size windows
+        target = TargetRunner(target.model, b, target.seq_len, target.layers)
     sums = {"accept": torch.zeros(g), "top1": torch.zeros(g), "conf": torch.zeros(g)}
     count = 0
-    for start in range(0, n - s.batch_size + 1, s.batch_size):
-        tokens = stream[start * s.seq_len : (start + s.batch_size) * s.seq_len].view(s.batch_size, s.seq_len)
-        anchors = sample_anchors(s.batch_size, s.seq_len, s.anchors, g, gen)
+    for start in range(0, n - b + 1, b):
+        tokens = stream[start * s.seq_len : (start + b) * s.seq_len].view(b, s.seq_len)
+        anchors = sample_anchors(b, s.seq_len, s.anchors, g, gen)
         _, stats = dspark_loss(model, make_batch(target, tokens, anchors, g), s)
         for k in sums:
             sums[k] += stats[k]

@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool-windows", type=int, default=512,
                    help="windows whose target features are computed once and reused with fresh anchors (0: run "
                         "the target at every step)")
+    p.add_argument("--device", default=None, help="torch device to train on, e.g. cuda (default: the backend's)")
+    p.add_argument("--token-cache", type=Path, default=None,
+                   help="file holding the tokenised data split: written on first use, read (with its file lists) "
+                        "after, so that another machine trains on exactly this split")
+    p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: 3 x hidden)")
     p.set_defaults(func=run)
 
 
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, markov_rank=args.markov_rank, window=args.window, target_layers=layers, lr=args.lr,
         seed=args.seed, backend=args.backend, dtype=args.dtype, calib_fraction=args.calib_fraction,
         calib_prompts=args.calib_prompts, calib_tokens=args.calib_tokens, calibrate=not args.no_calibrate,
-        pool_windows=args.pool_windows, calibrate_only=args.calibrate_only,
+        pool_windows=args.pool_windows, calibrate_only=args.calibrate_only, device=args.device,
+        token_cache=args.token_cache, intermediate_size=args.intermediate_size,
     ))
     return 0

@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.errors import ConfigError
 from deepinfer.spec.calibrate import calibrate, collect_traces, prompts_from_stream, write_calibration
-from deepinfer.spec.data import encode_files, resolve_files, split_files
+from deepinfer.spec.data import DataSplit, encode_files, resolve_files, split_files
 from deepinfer.spec.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from deepinfer.spec.train import DSparkTrainer, DSparkTrainSettings, FeaturePool, TargetRunner, evaluate, train
 
@@ -47,6 +47,8 @@ class TrainDSparkOptions:
     calibrate: bool = True
     pool_windows: int = 512  # windows whose target features are computed once (0: run the target every step)
     calibrate_only: bool = False  # refit the calibration of the drafter already in `out`
+    device: str | None = None  # where the target and the drafter train (default: the backend's device)
+    token_cache: Path | None = None  # the tokenised split, written on first use and read after (same data)
     num_heads: int = 4  # not on the CLI: tests shrink the drafter
     intermediate_size: int | None = None
 
@@ -58,8 +60,8 @@ class TrainDSparkOptions:
                  f"--out {self.out}", budget]
         defaults = TrainDSparkOptions(self.target, self.data, self.out)
         for f in dataclasses.fields(self):
-            if f.name in ("target", "data", "out", "steps", "time_budget", "calibrate", "num_heads", "intermediate_size",
-                          "calibrate_only"):
+            if f.name in ("target", "data", "out", "steps", "time_budget", "calibrate", "num_heads",
+                          "calibrate_only", "token_cache"):
                 continue
             value = getattr(self, f.name)
             if value != getattr(defaults, f.name):
@@ -76,7 +78,9 @@ def default_target_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({round(i * (num_layers - 1) / (m - 1)) for i in range(m)}))
 
 
-def _hardware() -> str:
+def _hardware(device: torch.device | None = None) -> str:
+    if device is not None and device.type == "cuda":
+        return f"GPU ({torch.cuda.get_device_name(device)})"
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
@@ -94,6 +98,29 @@ def _calibrate(opts: TrainDSparkOptions, target: Path, out: Path, calib_stream: 
     return report
 
 
+def _token_streams(opts: TrainDSparkOptions, target: Path):
+    """(split, training stream, calibration stream). With --token-cache: read from that file when it exists
+    (it records the files it was encoded from, so training elsewhere, e.g. on a GPU machine whose Python has
+    another standard library, uses exactly this split), else encoded here and written there."""
+    cache = Path(opts.token_cache) if opts.token_cache else None
+    if cache is not None and cache.exists():
+        data = torch.load(cache, weights_only=True)
+        names = json.loads(data["files"])
+        split = DataSplit(tuple(Path(p) for p in names["train"]), tuple(Path(p) for p in names["calibration"]))
+        return split, data["train"].long(), data["calibration"].long()
+    split = split_files(resolve_files(opts.data, target), opts.calib_fraction, opts.seed)
+    calib_stream = encode_files(target / "tokenizer.json", split.calibration or split.train)
+    train_stream = encode_files(target / "tokenizer.json", split.train)
+    if cache is not None:
+        if max(int(train_stream.max()), int(calib_stream.max())) >= 2**15:
+            raise ConfigError("--token-cache stores int16 token ids: this vocabulary is too large for it")
+        names = {"train": [str(p) for p in split.train], "calibration": [str(p) for p in split.calibration]}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"files": json.dumps(names), "train": train_stream.to(torch.int16),
+                    "calibration": calib_stream.to(torch.int16)}, cache)
+    return split, train_stream, calib_stream
+
+
 def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = print) -> dict:
     from deepinfer.config import ModelConfig
     from deepinfer.model.loader import load_model
@@ -107,8 +134,7 @@ def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = prin
     layers = opts.target_layers or default_target_layers(config.num_hidden_layers)
     if any(not 0 <= i < config.num_hidden_layers for i in layers):
         raise ConfigError(f"--target-layers {layers}: the target has layers 0..{config.num_hidden_layers - 1}")
-    split = split_files(resolve_files(opts.data, target), opts.calib_fraction, opts.seed)
-    calib_stream = encode_files(target / "tokenizer.json", split.calibration or split.train)
+    split, train_stream, calib_stream = _token_streams(opts, target)
 
     if opts.calibrate_only:  # refit STS of the drafter already in --out (same data split, same seed)
         summary_path = out / "train_summary.json"
@@ -120,10 +146,11 @@ def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = prin
             (out / "README.md").write_text(_readme(summary), encoding="utf-8")
         return summary
 
-    backend = load_backend(opts.backend)
+    backend = load_backend(opts.backend, device=opts.device)
     model = load_model(target, backend, config=config, dtype=_DTYPES.get(opts.dtype) if opts.dtype else None,
                        load_mtp=False, progress=False)
-    train_stream = encode_files(target / "tokenizer.json", split.train)
+    if backend.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     log(f"data: {len(split.train)} training files ({train_stream.numel():,} tokens), "
         f"{len(split.calibration)} calibration files ({calib_stream.numel():,} tokens)")
 
@@ -133,7 +160,7 @@ def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = prin
                         intermediate_size=opts.intermediate_size or 3 * h, markov_rank=opts.markov_rank,
                         block_size=opts.block_size, window=opts.window)
     torch.manual_seed(opts.seed)
-    drafter = DSparkModel(dcfg, model.embed_tokens, model.lm_head.dequantize())
+    drafter = DSparkModel(dcfg, model.embed_tokens, model.lm_head.dequantize()).to(backend.device)
     with torch.no_grad():
         drafter.norm.weight.copy_(model.norm.float())  # start in the LM head's input space
     settings = DSparkTrainSettings(steps=opts.steps or 10**9, batch_size=opts.batch_size, seq_len=opts.seq_len,
@@ -146,13 +173,13 @@ def run_train_dspark(opts: TrainDSparkOptions, log: Callable[[str], None] = prin
     trainer = DSparkTrainer(drafter, runner, settings, pool)
     history = train(trainer, train_stream, log)
     train_seconds = time.perf_counter() - t0
-    figures = evaluate(drafter, runner, calib_stream, trainer.s)
+    figures = evaluate(drafter, runner, calib_stream, trainer.s, max_windows=256)
     log(f"calibration-split figures (teacher-forced): {json.dumps({k: [round(x, 3) for x in v] for k, v in figures.items()})}")
-    save_dspark(out, drafter)
+    save_dspark(out, drafter.cpu())
     report = _calibrate(opts, target, out, calib_stream, log) if opts.calibrate else None
 
     summary = {
-        "command": opts.command(), "date": datetime.date.today().isoformat(), "hardware": _hardware(),
+        "command": opts.command(), "date": datetime.date.today().isoformat(), "hardware": _hardware(backend.device),
         "torch": torch.__version__, "target": str(target), "drafter": dcfg.to_json(),
         "parameters": sum(p.numel() for p in drafter.trainable_parameters()),
         "settings": dataclasses.asdict(trainer.s), "steps": trainer.step_num, "seconds": round(train_seconds, 1),
@@ -186,6 +213,8 @@ def _readme(s: dict) -> str:
         "| greedy agreement with the target | " + " | ".join(f"{x:.3f}" for x in f["top1"]) + " |",
         "| mean raw confidence | " + " | ".join(f"{x:.3f}" for x in f["conf"]) + " |", "",
     ]
+    if s.get("note"):
+        lines += [s["note"], ""]
     if cal:
         lines += [f"STS calibration{' (`' + s['calibration_command'] + '`)' if 'calibration_command' in s else ''} on "
                   f"{cal['drafts']} whole-block drafts decoded at T=1 from calibration-split prompts, fitted to expected "

@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.spec.sps_profile import SPSCurve
+from deepinfer.spec.sps_profile import SPSCurve, SPSTable
 
 from spec_helpers import RecordingDrafter, engine, random_dspark, run, scripted_speculator
 
@@ -225,7 +225,9 @@ def test_sps_curve_is_profiled_at_start_and_cached(mtp_checkpoint, dspark_dir, r
                 batch_invariant=False, max_num_batched_tokens=64, max_num_seqs=8)
     first = engine(mtp_checkpoint, **opts)
     curve = first.speculator.scheduler.curve
-    assert [b for b, _ in curve.points][-1] == 64 + 8 * 4 and len(list(tmp_path.iterdir())) == 1
+    assert isinstance(curve, SPSTable) and len(list(tmp_path.iterdir())) == 1
+    # one row per sequence count up to max_num_seqs, each over R .. R (1 + k) tokens (k = 4 here)
+    assert [(r, [b for b, _ in c.points]) for r, c in curve.rows] == [(r, [r * (1 + j) for j in range(5)]) for r in (1, 2, 4, 8)]
     second = engine(mtp_checkpoint, **opts)
     assert second.speculator.scheduler.curve == curve  # read back, not measured again
     out = tokens_of(run(second, reqs[:6]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.spec.confidence import (STSCalibration, expected_calibration_error, fit_sts, survival_ece,
                                        survival_labels)
 from deepinfer.spec.prefix_scheduler import PrefixScheduler, hardware_aware_lengths, survival, threshold_lengths
-from deepinfer.spec.sps_profile import SPSCurve, load_or_profile, profile
+from deepinfer.spec.sps_profile import SPSCurve, SPSTable, load_or_profile, profile, profile_table, seq_grid
 
 
 def affine_curve(t0: float, per_token: float, top: int = 512) -> SPSCurve:
@@ -102,6 +103,62 @@ def test_sps_curve_is_monotone_convex_and_cached(tmp_path):
     assert not cached_other and len(calls) == 2
     with pytest.raises(ConfigError):
         SPSCurve(((0, 1.0),))
+
+
+def test_sps_table_reads_the_row_of_the_step_sequence_count(tmp_path):
+    """Rows of affine step times whose fixed and per-token parts depend on R: time(B, R) between two grid rows
+    is the linear interpolation in R, Algorithm 1 over a row reaches that row's optimum, and the table
+    round-trips through the cache."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    k = 5
+    fixed = {r: rng.uniform(0.5, 2.0) + 0.01 * r for r in seq_grid(32)}
+    per_token = {r: rng.uniform(0.0, 0.2) for r in fixed}
+    assert list(fixed) == [1, 2, 4, 8, 16, 32] and seq_grid(24) == (1, 2, 4, 8, 16, 24)
+    calls = []
+
+    def timer(tokens, seqs):
+        calls.append((tokens, seqs))
+        return fixed[seqs] + per_token[seqs] * tokens
+
+    table = profile_table(timer, seq_grid(32), k)
+    assert sorted(calls) == sorted((r * (1 + j), r) for r in fixed for j in range(k + 1))
+    for _ in range(50):
+        r, b = rng.randint(1, 40), rng.uniform(1, 250)
+        lo = max([g for g in fixed if g <= r], default=1)
+        hi = min([g for g in fixed if g >= r], default=32)
+        w = 0.0 if hi == lo else (r - lo) / (hi - lo)
+
+        def affine(g):  # the curve extends its first point's time below it, its last slope beyond it
+            return fixed[g] + per_token[g] * max(b, g)
+
+        assert table.time(b, r) == pytest.approx((1 - w) * affine(lo) + w * affine(hi), rel=1e-9)
+    for _ in range(100):
+        r = rng.randint(1, 32)  # sequences in the step; drafts from up to 3 of them (brute force stays small)
+        conf = [[rng.uniform(0.05, 1.0) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 3))]
+        row = table.for_seqs(r)
+        lengths = hardware_aware_lengths(conf, row, r, r)
+        tau = r + sum(sum(survival(c)[:n]) for c, n in zip(conf, lengths))
+        assert tau * row.sps(r + sum(lengths)) == pytest.approx(brute_force(conf, row, r, r)[0], rel=1e-9)
+        assert PrefixScheduler("hardware", curve=table).lengths(conf, [len(c) for c in conf], r, r, num_seqs=r) == lengths
+    key = {"model": "m", "seqs": list(fixed)}
+    first, cached = load_or_profile(tmp_path, key, lambda: table)
+    again, cached_again = load_or_profile(tmp_path, key, lambda: None)
+    assert (cached, cached_again) == (False, True) and again == table
+    with pytest.raises(ConfigError):
+        SPSTable(((0, table.rows[0][1]),))
+
+
+def test_sts_list_form_matches_the_tensor_form():
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(20):
+        temps = tuple((torch.rand(5, generator=gen) * 5 + 0.05).tolist())
+        calib = STSCalibration(temps)
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        conf = torch.cat([torch.rand(n - 1, generator=gen, dtype=torch.float64), torch.tensor([0.0 if n % 2 else 1.0],
+                                                                                            dtype=torch.float64)])
+        assert calib.calibrate_list(conf.tolist()) == pytest.approx(calib.calibrate(conf).tolist(), rel=1e-12, abs=1e-15)
+    with pytest.raises(ConfigError):
+        STSCalibration((1.0,)).calibrate_list([0.5, 0.5])
 
 
 def test_ece_and_sts_fix_overconfidence():

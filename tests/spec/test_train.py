@@ -4,6 +4,7 @@ the drafter learns, is calibrated, loads in the engine, and greedy decoding with
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -82,3 +83,55 @@ def test_train_dspark_command(target_with_tokenizer, tmp_path):
     assert spec.speculator.drafter.calibration is not None
     fast = run(spec, reqs)
     assert {k: v.outputs[0].token_ids for k, v in fast.items()} == {k: v.outputs[0].token_ids for k, v in plain.items()}
+
+
+def test_token_cache_replays_the_split(target_with_tokenizer, tmp_path):
+    """--token-cache: the first run encodes and stores the split; a later run (another machine, other files on
+    disk) reads exactly those streams and file lists back."""
+    from deepinfer.spec.train_pipeline import TrainDSparkOptions, _token_streams
+
+    folder, data = target_with_tokenizer
+    copy = tmp_path / "data"
+    for f in data.rglob("*.py"):
+        (copy / f.relative_to(data)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / f.relative_to(data)).write_text(f.read_text(encoding="utf-8"), encoding="utf-8")
+    cache = tmp_path / "tokens.pt"
+    opts = TrainDSparkOptions(folder, [str(copy)], tmp_path / "out", calib_fraction=0.25, token_cache=cache)
+    split, train, calib = _token_streams(opts, folder)
+    expect = split_files(resolve_files([str(copy)], folder), 0.25, 0)
+    assert split == expect and cache.exists()
+    assert torch.equal(train, encode_files(folder / "tokenizer.json", expect.train))
+    assert torch.equal(calib, encode_files(folder / "tokenizer.json", expect.calibration))
+    for f in copy.rglob("*.py"):  # the data is gone: the cache alone answers
+        f.unlink()
+    split2, train2, calib2 = _token_streams(opts, folder)
+    assert split2 == expect and torch.equal(train2, train) and torch.equal(calib2, calib)
+
+
+def test_evaluate_reads_windows_when_the_runner_batch_is_larger(target_with_tokenizer):
+    """The teacher-forced figures over fewer windows than the training runner's batch (a GPU run's batch of
+    128 against 32 evaluation windows read none before): figures come from real windows, equal to those of a
+    runner of exactly that batch."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.model.loader import load_model
+    from deepinfer.registry import load_backend
+    from deepinfer.spec.dspark_model import DSparkConfig, DSparkModel
+    from deepinfer.spec.train import TargetRunner, evaluate
+
+    folder, data = target_with_tokenizer
+    config = ModelConfig.from_hf_dir(folder)
+    model = load_model(folder, load_backend("reference"), config=config, dtype=torch.float32, load_mtp=False,
+                       progress=False)
+    h = config.hidden_size
+    cfg = DSparkConfig(h, config.vocab_size, (0,), h, num_layers=1, num_heads=2, head_dim=h // 2, markov_rank=8,
+                       block_size=3, window=32)
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    drafter = DSparkModel(cfg, model.embed_tokens, model.lm_head.dequantize())
+    stream = encode_files(folder / "tokenizer.json", resolve_files([str(data)], folder))
+    settings = DSparkTrainSettings(batch_size=8, seq_len=32, anchors=4)
+    n = min(3, stream.numel() // 32)
+    big = evaluate(drafter, TargetRunner(model, 8, 32, (0,)), stream, settings, max_windows=n)
+    exact = evaluate(drafter, TargetRunner(model, n, 32, (0,)), stream, settings, max_windows=n)
+    assert all(x > 0 for x in big["accept"]) and all(0 < x < 1 for x in big["conf"])
+    for k in big:
+        assert big[k] == pytest.approx(exact[k], rel=1e-5)
