@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, replace
 
 import torch
 import triton
+
+from gpu_timing import events_median
 
 from deepinfer import quant
 from deepinfer.weights import LinearWeight
@@ -72,17 +73,7 @@ def timed(fn, reps: int = 21, graph: bool = True) -> float:
         _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     fn()
     torch.cuda.synchronize()
-    run = _capture(fn).replay if graph else fn
-    events = []
-    for _ in range(reps):
-        _FLUSH.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return events_median(_capture(fn).replay if graph else fn, reps, _FLUSH)
 
 
 def tflops(m: int, n: int, k: int, ms: float) -> float:

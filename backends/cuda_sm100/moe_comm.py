@@ -13,10 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backend import Dispatched, Pending
-from deepinfer.checks import FLOAT_DTYPES, check_same_length, check_tensor
-from deepinfer.errors import InvalidInputError
-
-INT_DTYPES = (torch.int32, torch.int64)
+from deepinfer.backends.reference.comm import check_dispatch
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,15 +26,7 @@ class LocalState:
 
 def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              validate: bool = True) -> Pending[Dispatched]:
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INT_DTYPES, device=x.device)
-    check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=FLOAT_DTYPES, device=x.device)
-    check_same_length("x", x, "topk_ids", topk_ids)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
-        raise InvalidInputError(f"num_experts must be a positive int, got {num_experts!r}")
-    if validate and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
-        raise InvalidInputError(f"topk_ids must lie in [0, {num_experts}), got values in "
-                                f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     top_k = topk_ids.shape[1]
     order = ops.sort_tokens(topk_ids, num_experts)
     rows = x.index_select(0, order.pair_of_row // top_k)

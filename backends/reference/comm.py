@@ -42,8 +42,9 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any = None,
-             validate: bool = True) -> Pending[Dispatched]:
+def check_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   validate: bool) -> None:
+    """dispatch()'s argument checks, shared by backends; validate=False skips reading the ids' values back."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INT_DTYPES, device=x.device)
     check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=FLOAT_DTYPES, device=x.device)
@@ -53,6 +54,11 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     # Bad ids would silently misroute rows (validate=False: ids from the model's own router).
     if validate and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise InvalidInputError(f"topk_ids must lie in [0, {num_experts}), got values in [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any = None,
+             validate: bool = True) -> Pending[Dispatched]:
+    check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     world, rank = _world(group)
     if num_experts % world:
         raise InvalidInputError(f"num_experts={num_experts} must be divisible by the group's world size {world}")
