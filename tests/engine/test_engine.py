@@ -198,3 +198,52 @@ def test_batch_invariant_mode_bit_identical(checkpoint):
         assert mixed.token_ids == alone.token_ids
         for a, b in zip(mixed.logprobs, alone.logprobs):
             assert {k: v.logprob for k, v in a.items()} == {k: v.logprob for k, v in b.items()}
+
+
+def test_overlapped_scheduling_changes_nothing_but_timing(checkpoint):
+    """Overlapped scheduling (next step launched before this one's tokens are on the host) against fully
+    synchronous steps: same tokens, logprobs and finish reasons under preemption, chunked prefill, prefix
+    caching, stop tokens, min_tokens, n > 1 and requests that force synchronous steps (penalties, logprobs)."""
+    rng = random.Random(4321)
+    reqs = random_requests(rng, 40)
+    for i, (rid, prompt, params) in enumerate(reqs):
+        if i % 4 == 1:
+            params.stop_token_ids = [rng.randrange(2, VOCAB) for _ in range(3)]
+            params.ignore_eos = False
+        elif i % 4 == 2:
+            params.min_tokens = min(params.max_tokens, 3)
+        if i >= 32:  # the last ones force synchronous steps while they run: both kinds of step, and switches
+            if i % 3 == 0:
+                params.presence_penalty = 0.5
+            elif i % 3 == 1:
+                params.logprobs = 2
+            else:
+                params.n, params.seed = 2, params.seed or 7
+
+    def run(overlap: bool):
+        probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
+        engine = make_engine(checkpoint, kv_cache_memory=14 * block_bytes(probe), max_num_batched_tokens=96,
+                             max_num_seqs=12, overlap_scheduling=overlap)
+        deferred = 0
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, prompt, params)
+        final = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            deferred += engine._inflight is not None
+        stats = engine.stats()
+        assert stats.free_blocks == stats.num_blocks
+        return final, deferred, stats.preemptions
+
+    overlapped, deferred, preemptions = run(True)
+    synchronous, none_deferred, _ = run(False)
+    assert deferred > 10 and none_deferred == 0 and preemptions > 0
+    assert set(overlapped) == set(synchronous) == {rid for rid, _, _ in reqs}
+    for rid in overlapped:
+        for a, b in zip(overlapped[rid].outputs, synchronous[rid].outputs, strict=True):
+            assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason), rid
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs is not None:
+                assert [sorted(p) for p in a.logprobs] == [sorted(p) for p in b.logprobs]
