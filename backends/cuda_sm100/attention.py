@@ -214,18 +214,21 @@ def _pack(batch, seq_split, dec, pre, device):
     return (dev[:o1].view(_META_ROWS, b), dev[o1:o2], dev[o2:o3].view(-1, 4), dev[o3:].view(-1, 4))
 
 
-def _split_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device) -> int:
+def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device):
     """This step's own split size (short contexts want small splits, long ones large), doubled until its
-    items and partial rows fit what the captured plan reserved. Any power of two >= 64 keeps the kernels'
-    block-aligned tiles (BN <= 64) that the capture baked in."""
+    items and partial rows fit what the captured plan reserved, and its schedule. Any power of two >= 64
+    keeps the kernels' block-aligned tiles (BN <= 64) that the capture baked in. Batch-invariant plans
+    never split."""
+    if not plan.split_tokens:
+        return None, _schedule(batch, None, 0)
     lens = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
     split = max(64, choose_split_tokens(lens, device))
-    while split < plan.split_tokens:
-        dec, _, _, slots = _schedule(batch, split, 0)
-        if len(dec) <= plan.dec_items.shape[0] and slots <= plan.num_slots:
-            break
+    while True:
+        schedule = _schedule(batch, split, 0)
+        dec, _, _, slots = schedule
+        if split >= plan.split_tokens or (len(dec) <= plan.dec_items.shape[0] and slots <= plan.num_slots):
+            return split, schedule
         split *= 2
-    return split
 
 
 def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLAPlan:
@@ -239,17 +242,19 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
         )
     device = plan.seq_lens.device
     n_cap = plan.dec_items.shape[0]
-    split = _split_within(batch, plan, device) if plan.split_tokens else None
-    fresh = plan_mla(batch, spec, device, batch_invariant=plan.batch_invariant, split_tokens=split, max_seq_len=None)
+    fresh = AttentionPlan.build(batch, spec, device)  # validates the batch; the common tensors to copy in
     if fresh.block_table.shape[1] > plan.max_blocks:
         raise InvalidInputError(f"the step needs {fresh.block_table.shape[1]} blocks per sequence; the captured plan "
                                 f"holds {plan.max_blocks} (plan it with a larger max_seq_len)")
-    # Re-schedule within the captured plan's capacities, so item and slot layouts line up.
-    dec, pre, seq_split, slots = _schedule(batch, split, 0)
+    # Schedule within the captured plan's capacities, so item and slot layouts line up.
+    split, (dec, pre, seq_split, slots) = _schedule_within(batch, plan, device)
     real = [it for it in dec if it[3] != -2]
     if len(real) > n_cap or slots > plan.num_slots:
         raise InvalidInputError(f"the step needs {len(real)} work items / {slots} partial rows; the captured plan "
                                 f"holds {n_cap} / {plan.num_slots} (plan it with a larger max_seq_len)")
+    spans = dict(dec_max_span=max((hi - lo for _, lo, hi, _ in real), default=0),
+                 pre_max_span=max((hi - lo for _, lo, hi, _ in pre), default=0),
+                 max_splits=max(n for n, _ in seq_split))
     real += [(0, 0, 0, -2)] * (n_cap - len(real))
     meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, real, pre, device)
     plan.meta.copy_(meta)
@@ -262,8 +267,7 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
     plan.slot_mapping.copy_(fresh.slot_mapping)
     plan.positions.copy_(fresh.positions)
     plan.query_start_loc.copy_(fresh.query_start_loc)
-    return dataclasses.replace(plan, batch=batch, dec_max_span=fresh.dec_max_span, pre_max_span=fresh.pre_max_span,
-                               max_splits=fresh.max_splits, split_tokens=split or 0)
+    return dataclasses.replace(plan, batch=batch, split_tokens=split or 0, **spans)
 
 
 # --- run ------------------------------------------------------------------------------------------------
