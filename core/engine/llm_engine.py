@@ -20,11 +20,12 @@ import torch
 from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
 from deepinfer.config import EngineConfig, ModelConfig
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.overlap import InFlightStep, pending_input
-from deepinfer.engine.sampler import needs_row_processing, position_logprobs, sample_rows, sample_rows_device, sample_token
+from deepinfer.engine.sampler import (assemble_logprobs, logprob_stats, needs_row_processing, position_logprobs, sample_rows,
+                                      sample_rows_device, sample_token)
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
@@ -375,7 +376,7 @@ class LLMEngine:
             params = req.params
             if params.prompt_logprobs is not None:
                 return False
-            if item.sample and (not req.forked or params.logprobs is not None or needs_row_processing(params)
+            if item.sample and (not req.forked or needs_row_processing(params)
                                 or len(req.completions[index].token_ids) < params.min_tokens):
                 return False
         return True
@@ -390,12 +391,18 @@ class LLMEngine:
             req, index = self._seq_owner[item.seq.seq_id]
             draws.append((req, index, item.seq))
             rows.append(row_index)
-        tokens = torch.empty(0, dtype=torch.int64, device=step_out.logits.device)
+        device = step_out.logits.device
+        tokens = torch.empty(0, dtype=torch.int64, device=device)
+        extras, wanted = (), tuple(j for j, (r, _, _) in enumerate(draws) if r.params.logprobs is not None)
         if draws:
-            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, step_out.logits.device))
+            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, device))
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
                                         [_sub_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
-        return InFlightStep.launch(plan, draws, tokens)
+            if wanted:
+                sel = to_device(wanted, torch.int64, device)
+                top = max(draws[j][0].params.logprobs for j in wanted)
+                extras = logprob_stats(logits.index_select(0, sel).float().log_softmax(-1), tokens.index_select(0, sel), top)
+        return InFlightStep.launch(plan, draws, tokens, extras, wanted)
 
     def _commit(self, launched: InFlightStep) -> None:
         """Advance the scheduler past a launched step, its sampled tokens still pending."""
@@ -408,11 +415,14 @@ class LLMEngine:
         if pending is None:
             return []
         touched: dict[str, _Request] = {}
-        for (req, index, seq), token in zip(pending.draws, pending.wait()):
+        tokens, *stats = pending.wait()
+        stats_of = {j: [column[n] for column in stats] for n, j in enumerate(pending.logprob_rows)}
+        for j, ((req, index, seq), token) in enumerate(zip(pending.draws, tokens)):
             if self._seq_owner.get(seq.seq_id) != (req, index) or self.scheduler.get(seq.seq_id) is not seq:
                 continue  # aborted, or stopped by an earlier token: this row was computed for nothing
             seq.resolve_pending(token)
-            self._append(req, index, token, None)
+            lps = assemble_logprobs(token, *stats_of[j], req.params.logprobs) if j in stats_of else None
+            self._append(req, index, token, None, lps)
             touched[req.request_id] = req
         return self._finish_outputs(touched)
 
@@ -533,14 +543,17 @@ class LLMEngine:
                 tokens[i] = token
         return tokens
 
-    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor | None) -> None:
+    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor | None,
+                logprobs: PositionLogprobs | None = None) -> None:
         """Record a sampled token for completion `index` and apply stop conditions."""
         comp, checker, params = req.completions[index], req.checkers[index], req.params
         comp.token_ids.append(token)
         comp.delta_token_ids.append(token)
         self._generated_tokens += 1
         if comp.logprobs is not None:
-            comp.logprobs.append(position_logprobs(row.log_softmax(-1), token, params.logprobs))
+            if logprobs is None:  # a synchronous step: from this row's logits
+                logprobs = position_logprobs(row.log_softmax(-1), token, params.logprobs)
+            comp.logprobs.append(logprobs)
         status = None
         if token in params.stop_token_ids:
             status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, token

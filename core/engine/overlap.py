@@ -6,8 +6,9 @@ reads those tokens straight from the device tensor), and resolves the placeholde
 that next step is on the GPU. A sequence that stopped at step N was still computed in step N+1: that row is
 discarded, the price of never waiting.
 
-Steps that need the sampled values on the host before the next one (speculative decoding, penalties,
-logprobs, n > 1 forks, min_tokens still pending) run synchronously, as does everything under expert
+Requested logprobs travel with the tokens (computed on the device in the same step). Steps that need the
+sampled values on the host before the next one (speculative decoding, penalties, prompt logprobs, n > 1
+forks, min_tokens still pending) run synchronously, as does everything under expert
 parallelism, whose ranks step in lockstep.
 """
 
@@ -25,26 +26,31 @@ class InFlightStep:
     plan: object  # the SchedulerOutput it ran
     draws: list  # (request, completion index, sequence) per sampled row, in row order
     tokens: torch.Tensor  # [len(draws)] int64 on the device: the next step's inputs read it directly
-    host: torch.Tensor  # [len(draws)] pinned host copy (the device tensor itself on a CPU)
-    ready: torch.cuda.Event | None  # recorded after the copy; None on a CPU
+    host: tuple[torch.Tensor, ...]  # pinned host copies of tokens and extras (the tensors themselves on a CPU)
+    ready: torch.cuda.Event | None  # recorded after the copies; None on a CPU
     row_of: dict[str, int] = field(default_factory=dict)  # seq_id -> index in tokens
+    logprob_rows: tuple[int, ...] = ()  # draws whose logprobs the extras hold, in order
 
     @classmethod
-    def launch(cls, plan, draws: list, tokens: torch.Tensor) -> InFlightStep:
+    def launch(cls, plan, draws: list, tokens: torch.Tensor, extras: tuple[torch.Tensor, ...] = (),
+               logprob_rows: tuple[int, ...] = ()) -> InFlightStep:
+        tensors = (tokens, *extras)
         if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         else:
-            host, ready = tokens, None
-        return cls(plan, draws, tokens, host, ready, {seq.seq_id: i for i, (_, _, seq) in enumerate(draws)})
+            host, ready = tensors, None
+        return cls(plan, draws, tokens, host, ready, {seq.seq_id: i for i, (_, _, seq) in enumerate(draws)},
+                   logprob_rows)
 
-    def wait(self) -> list[int]:
-        """The sampled tokens, waiting only for this step's copy (later launches keep running)."""
+    def wait(self) -> list[list]:
+        """The sampled tokens, then the extras, as lists; waits only for this step's copies."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return [h.tolist() for h in self.host]
 
 
 def pending_input(row: int) -> int:

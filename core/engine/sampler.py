@@ -155,11 +155,23 @@ def sample_token(
 
 def position_logprobs(logprobs_row: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
     """The chosen token's log-probability and rank, plus the top_n most likely tokens."""
-    chosen_lp = logprobs_row[chosen]
-    rank = int((logprobs_row > chosen_lp).sum()) + 1
-    out = {chosen: Logprob(float(chosen_lp), rank)}
-    if top_n:
-        values, ids = torch.topk(logprobs_row, top_n)
-        for r, (v, i) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            out.setdefault(i, Logprob(v, r))
+    stats = logprob_stats(logprobs_row[None], torch.tensor([chosen], device=logprobs_row.device), top_n)
+    return assemble_logprobs(chosen, *(t[0].tolist() for t in stats), top_n)
+
+
+def logprob_stats(logprobs: torch.Tensor, chosen: torch.Tensor, top_k: int):
+    """Rows of log-probabilities [R, V] and the chosen token of each [R] -> (chosen log-prob [R], its rank [R],
+    top_k values [R, top_k], their ids [R, top_k]) on the device: a whole step's logprobs in one transfer."""
+    chosen_lp = logprobs.gather(1, chosen.long()[:, None])
+    rank = (logprobs > chosen_lp).sum(-1) + 1
+    values, ids = torch.topk(logprobs, top_k, dim=-1) if top_k else (logprobs[:, :0], chosen[:, None][:, :0])
+    return chosen_lp[:, 0], rank, values, ids
+
+
+def assemble_logprobs(chosen: int, chosen_lp: float, rank: int, values: list[float], ids: list[int],
+                      top_n: int) -> PositionLogprobs:
+    """The chosen token's entry, then the top_n most likely (values and ids in descending order, at least top_n)."""
+    out = {chosen: Logprob(float(chosen_lp), int(rank))}
+    for r, (v, i) in enumerate(zip(values[:top_n], ids[:top_n]), start=1):
+        out.setdefault(int(i), Logprob(float(v), r))
     return out
