@@ -67,6 +67,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps from CUDA graphs")
     g.add_argument("--cuda-graph-max-batch-size", type=_positive_int, default=256,
                    help="largest decode batch captured in a CUDA graph (larger ones run eagerly)")
+    g.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
+                   help="wait for each step's sampled tokens before scheduling the next")
     g = p.add_argument_group("parallelism and kernels")
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     g.add_argument("--expert-parallel-size", type=_positive_int, default=1,
@@ -193,6 +195,7 @@ def build_app_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager, cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        overlap_scheduling=args.overlap_scheduling,
         load_mtp=args.speculative_engine == "mtp",  # MTP weights serve only MTP drafting
         progress=sys.stderr.isatty(),
         speculative_engine=None if args.speculative_engine == "none" else args.speculative_engine,

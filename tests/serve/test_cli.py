@@ -79,6 +79,16 @@ def test_deepinfer_serve_subcommand_shares_the_flags():
     assert args.num_prompts == 3
 
 
+def test_gpu_path_flags():
+    from deepinfer.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model-path", "/m"])
+    assert (args.enforce_eager, args.cuda_graph_max_batch_size, args.overlap_scheduling) == (False, 256, True)
+    args = build_parser().parse_args(["serve", "--model-path", "/m", "--enforce-eager", "--no-overlap-scheduling",
+                                      "--cuda-graph-max-batch-size", "64"])
+    assert (args.enforce_eager, args.cuda_graph_max_batch_size, args.overlap_scheduling) == (True, 64, False)
+
+
 def test_size_flags():
     from deepinfer.serve.cli import parse_size
 
