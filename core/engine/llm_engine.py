@@ -213,9 +213,11 @@ class LLMEngine:
         return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
-        """Decode batch sizes to capture: none when eager is forced or the backend cannot capture on a GPU."""
+        """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
+        experts are spread over ranks (the all-to-all exchanges sizes through the host, which graphs forbid)."""
         ec = self.engine_config
-        if ec.enforce_eager or not self.backend.capabilities.graph_capture or self.backend.device.type != "cuda":
+        if (ec.enforce_eager or ec.expert_parallel_size > 1 or not self.backend.capabilities.graph_capture
+                or self.backend.device.type != "cuda"):
             return ()
         return default_batch_sizes(min(ec.cuda_graph_max_batch_size, ec.max_num_seqs))
 
