@@ -24,8 +24,8 @@ from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, Request
 from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.overlap import InFlightStep, pending_input
-from deepinfer.engine.sampler import (assemble_logprobs, logprob_stats, needs_row_processing, position_logprobs, sample_rows,
-                                      sample_rows_device, sample_token)
+from deepinfer.engine.sampler import (apply_penalties_rows, assemble_logprobs, logprob_stats, needs_row_processing,
+                                      position_logprobs, sample_rows, sample_rows_device, sample_token)
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
@@ -378,8 +378,7 @@ class LLMEngine:
             params = req.params
             if params.prompt_logprobs is not None:
                 return False
-            if item.sample and (not req.forked or needs_row_processing(params)
-                                or len(req.completions[index].token_ids) < params.min_tokens):
+            if item.sample and not req.forked:  # its first token decides the other completions' forks
                 return False
         return True
 
@@ -397,14 +396,33 @@ class LLMEngine:
         tokens = torch.empty(0, dtype=torch.int64, device=device)
         extras, wanted = (), tuple(j for j, (r, _, _) in enumerate(draws) if r.params.logprobs is not None)
         if draws:
-            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, device))
+            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, device)).float()
+            logits = self._penalize_deferred(logits, draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
                                         [_sub_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
             if wanted:
                 sel = to_device(wanted, torch.int64, device)
                 top = max(draws[j][0].params.logprobs for j in wanted)
-                extras = logprob_stats(logits.index_select(0, sel).float().log_softmax(-1), tokens.index_select(0, sel), top)
+                raw = step_out.logits.index_select(0, to_device([rows[j] for j in wanted], torch.int64, device))
+                extras = logprob_stats(raw.float().log_softmax(-1), tokens.index_select(0, sel), top)
         return InFlightStep.launch(plan, draws, tokens, extras, wanted)
+
+    def _penalize_deferred(self, logits: torch.Tensor, draws: list, pending: InFlightStep | None) -> torch.Tensor:
+        """Penalties and min_tokens suppression for a deferred step, whose sequences may end with a token of
+        the step in flight: counted from the device."""
+        outputs, pend = [], []
+        for req, index, seq in draws:
+            outputs.append(req.completions[index].token_ids)
+            pend.append(pending.row_of[seq.seq_id] if seq.has_pending_token else -1)
+        suppressed = [self._suppressed(req, len(out) + (p >= 0)) for (req, _, _), out, p in zip(draws, outputs, pend)]
+        if not any(needs_row_processing(r.params) for r, _, _ in draws) and not any(suppressed):
+            return logits
+        tokens = None
+        if pending is not None and pending.tokens.numel():
+            where = to_device(pend, torch.int64, logits.device)
+            tokens = torch.where(where >= 0, pending.tokens.index_select(0, where.clamp(min=0)), -1)
+        return apply_penalties_rows(logits, [r.params for r, _, _ in draws], [r.prompt_ids for r, _, _ in draws],
+                                    outputs, tokens, suppressed)
 
     def _commit(self, launched: InFlightStep) -> None:
         """Advance the scheduler past a launched step, its sampled tokens still pending."""

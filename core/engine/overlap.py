@@ -6,9 +6,9 @@ reads those tokens straight from the device tensor), and resolves the placeholde
 that next step is on the GPU. A sequence that stopped at step N was still computed in step N+1: that row is
 discarded, the price of never waiting.
 
-Requested logprobs travel with the tokens (computed on the device in the same step). Steps that need the
-sampled values on the host before the next one (speculative decoding, penalties, prompt logprobs, n > 1
-forks, min_tokens still pending) run synchronously, as does everything under expert
+Requested logprobs travel with the tokens (computed on the device in the same step), and penalties and
+min_tokens count the pending token on the device. Steps that need the sampled values on the host before
+the next one (speculative decoding, prompt logprobs, the first token of an n > 1 request) run synchronously, as does everything under expert
 parallelism, whose ranks step in lockstep.
 """
 

@@ -38,6 +38,46 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     return x
 
 
+def apply_penalties_rows(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                         output_ids: Sequence[Sequence[int]], pending: torch.Tensor | None,
+                         suppressed: Sequence[Sequence[int]]) -> torch.Tensor:
+    """apply_penalties() and the min_tokens suppression of sample_token() for every row of float32 logits
+    [R, V] at once, on their device. A row's output is output_ids[r] plus, where pending[r] >= 0, one token
+    still on the device (overlapped scheduling). Same values as the one-row path."""
+    rows = [r for r, p in enumerate(params) if needs_row_processing(p) or suppressed[r]]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    x = logits.clone()
+    sub = x[rows]
+    n = len(rows)
+    pairs = [(i, t) for i, r in enumerate(rows) for t in output_ids[r]]
+    counts = torch.zeros(n, vocab, dtype=x.dtype, device=device)
+    if pairs:
+        index = to_device([v for pair in pairs for v in pair], torch.int64, device).view(-1, 2)
+        counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), dtype=x.dtype, device=device),
+                          accumulate=True)
+    if pending is not None:
+        tok = pending.index_select(0, to_device(rows, torch.int64, device))
+        counts.scatter_add_(1, tok.clamp(min=0)[:, None], (tok >= 0).to(x.dtype)[:, None])
+    seen = counts > 0
+    prompt = [(i, t) for i, r in enumerate(rows) for t in prompt_ids[r]]
+    if prompt:
+        index = to_device([v for pair in prompt for v in pair], torch.int64, device).view(-1, 2)
+        seen[index[:, 0], index[:, 1]] = True
+    column = lambda values: to_device(values, x.dtype, device)[:, None]  # noqa: E731
+    rep = column([params[r].repetition_penalty for r in rows])
+    sub = torch.where(seen & (rep != 1.0), torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq, pres = column([params[r].frequency_penalty for r in rows]), column([params[r].presence_penalty for r in rows])
+    sub = sub - (freq * counts + pres * (counts > 0).to(x.dtype))
+    banned = [(i, t) for i, r in enumerate(rows) for t in suppressed[r]]
+    if banned:
+        index = to_device([v for pair in banned for v in pair], torch.int64, device).view(-1, 2)
+        sub[index[:, 0], index[:, 1]] = float("-inf")
+    x[rows] = sub
+    return x
+
+
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [V] (or [R, V], every row with these params) -> temperature-scaled, top-k / top-p / min-p
     filtered logits (-inf outside)."""

@@ -203,21 +203,21 @@ def test_batch_invariant_mode_bit_identical(checkpoint):
 def test_overlapped_scheduling_changes_nothing_but_timing(checkpoint):
     """Overlapped scheduling (next step launched before this one's tokens are on the host) against fully
     synchronous steps: same tokens, logprobs and finish reasons under preemption, chunked prefill, prefix
-    caching, stop tokens, min_tokens, logprobs (carried with deferred tokens), n > 1 and requests that force
-    synchronous steps (penalties, forks)."""
+    caching, stop tokens, and what a deferred step handles on the device (penalties and min_tokens counting
+    the token in flight, logprobs), with n > 1 requests forcing some steps to be synchronous."""
     rng = random.Random(4321)
     reqs = random_requests(rng, 40)
     for i, (rid, prompt, params) in enumerate(reqs):
         if i % 4 == 1:
             params.stop_token_ids = [rng.randrange(2, VOCAB) for _ in range(3)]
             params.ignore_eos = False
-        elif i % 4 == 2:
-            params.min_tokens = min(params.max_tokens, 3)
-        if i >= 32:  # the last ones force synchronous steps while they run: both kinds of step, and switches
-            if i % 2 == 0:
-                params.presence_penalty = 0.5
-            else:
-                params.n, params.seed = 2, params.seed or 7
+        elif i % 4 == 2:  # stop ids that min_tokens holds back for the first tokens
+            params.stop_token_ids = sorted(torch.topk(torch.rand(VOCAB), 30).indices.tolist())
+            params.ignore_eos, params.min_tokens = False, min(params.max_tokens, 4)
+        if i % 7 == 3:  # penalties count the token still in flight, on the device
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty = 0.5, 0.3, 1.3
+        if i >= 34:  # forks make their first step synchronous: both kinds of step, and switches
+            params.n, params.seed = 2, params.seed or 7
         if i % 6 == 5:
             params.logprobs = i % 4  # 1 or 3: top-n of each size, and the chosen token's entry
 
