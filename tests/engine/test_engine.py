@@ -13,6 +13,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.errors import InvalidInputError
 
+from engine_loop import run_to_completion
 from tiny_checkpoints import build_hf_model, save_checkpoint
 
 VOCAB = 96
@@ -31,12 +32,7 @@ def make_engine(path, **options) -> LLMEngine:
 
 
 def run_all(engine: LLMEngine) -> dict[str, object]:
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
+    return run_to_completion(engine)
 
 
 def random_requests(rng: random.Random, count: int):
@@ -225,18 +221,13 @@ def test_overlapped_scheduling_changes_nothing_but_timing(checkpoint):
         probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
         engine = make_engine(checkpoint, kv_cache_memory=14 * block_bytes(probe), max_num_batched_tokens=96,
                              max_num_seqs=12, overlap_scheduling=overlap)
-        deferred = 0
+        deferred = []
         for rid, prompt, params in reqs:
             engine.add_request(rid, prompt, params)
-        final = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-            deferred += engine._inflight is not None
+        final = run_to_completion(engine, lambda: deferred.append(engine._inflight is not None))
         stats = engine.stats()
         assert stats.free_blocks == stats.num_blocks
-        return final, deferred, stats.preemptions
+        return final, sum(deferred), stats.preemptions
 
     overlapped, deferred, preemptions = run(True)
     synchronous, none_deferred, _ = run(False)

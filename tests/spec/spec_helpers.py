@@ -15,6 +15,8 @@ from deepinfer.spec.draws import draw
 from deepinfer.spec.prefix_scheduler import PrefixScheduler
 from deepinfer.spec.speculator import Speculator
 
+from engine_loop import run_to_completion
+
 
 class ScriptedDrafter(Drafter):
     """Drafts the known continuation of each sequence, each token replaced by a random one with probability
@@ -94,12 +96,7 @@ def engine(path: Path, speculator=None, **options) -> LLMEngine:
 def run(engine: LLMEngine, requests) -> dict[str, object]:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
+    return run_to_completion(engine)
 
 
 def random_dspark(path: Path, out: Path, seed: int = 0, block: int = 4, window: int = 48) -> Path:
