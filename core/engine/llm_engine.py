@@ -8,7 +8,6 @@ prompt's cache blocks without copying them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -20,40 +19,27 @@ import torch
 from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
 from deepinfer.config import EngineConfig, ModelConfig
-from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.cuda_graphs import default_batch_sizes
-from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.outputs import PositionLogprobs, RequestOutput
 from deepinfer.engine.overlap import InFlightStep, pending_input
+from deepinfer.engine.request_state import FINISH_REASON, EngineRequest, completion_seed
+from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.sampler import (apply_penalties_rows, assemble_logprobs, logprob_stats, needs_row_processing,
                                       position_logprobs, sample_rows, sample_rows_device, sample_token)
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
-from deepinfer.engine.stop_checker import StopStringChecker
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.quant import cdiv
-from deepinfer.transfer import to_device
 from deepinfer.spec.drafter import DraftRequest, Observation
 from deepinfer.spec.metrics import SpecDecodeStats
 from deepinfer.spec.verifier import VerifyContext, verify
+from deepinfer.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_FINISH_REASON = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
-
-
-def _sub_seed(seed: int, index: int) -> int:
-    """Completion `index`'s own seed: completions of one request draw independent noise."""
-    if index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}#{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -81,52 +67,9 @@ class _StepLayout:
     batch: AttentionBatch
     input_ids: list[int]
     rows: list[int]  # token rows of the batch whose logits are computed
-    prompt_rows: list[tuple[int, "_Request", int]]  # (index into rows, request, prompt position it scores)
+    prompt_rows: list[tuple[int, "EngineRequest", int]]  # (index into rows, request, prompt position it scores)
     sample_rows: list[tuple[int, object]]  # (index into rows, ScheduledSequence); drafts add rows after it
     offsets: list[int]  # per scheduled sequence: its first token row in the batch
-
-
-class _Request:
-    """Engine-side state of one request: its completions' sequences, text and logprobs."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, seed: int, tokenizer):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.seed = seed
-        self.seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        self.completions = [
-            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)
-        ]
-        self.checkers = [self._checker(tokenizer) for _ in range(params.n)]
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
-        self.forked = params.n == 1
-
-    def _checker(self, tokenizer) -> StopStringChecker:
-        detok = None
-        if tokenizer is not None:
-            from deepinfer.text.detokenizer import IncrementalDetokenizer
-
-            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=self.params.skip_special_tokens)
-        return StopStringChecker(detok, self.params.stop)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
-
-    def snapshot(self) -> RequestOutput:
-        outs = []
-        for c in self.completions:
-            outs.append(CompletionOutput(
-                index=c.index, token_ids=list(c.token_ids), text=c.text,
-                logprobs=None if c.logprobs is None else list(c.logprobs),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                delta_token_ids=c.delta_token_ids, delta_text=c.delta_text,
-            ))
-            c.delta_token_ids, c.delta_text = [], ""
-        plp = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), plp, outs, self.finished)
 
 
 class LLMEngine:
@@ -157,8 +100,8 @@ class LLMEngine:
             enable_chunked_prefill=engine_config.enable_chunked_prefill,
             num_lookahead_slots=self.speculator.num_lookahead_slots if self.speculator else 0,
         ))
-        self._requests: dict[str, _Request] = {}
-        self._seq_owner: dict[str, tuple[_Request, int]] = {}
+        self._requests: dict[str, EngineRequest] = {}
+        self._seq_owner: dict[str, tuple[EngineRequest, int]] = {}
         self._generated_tokens = 0
         # Expert parallelism (deepinfer.engine.expert_parallel) sets this hook: a rank that schedules nothing
         # in a step must still enter the step's MoE collectives, with a forward of no tokens.
@@ -254,7 +197,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidInputError("stop strings need a tokenizer; this model folder has none (use stop_token_ids)")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        req = _Request(request_id, text, ids, params, seed, self.tokenizer)
+        req = EngineRequest(request_id, text, ids, params, seed, self.tokenizer)
         max_len = self._max_len(len(ids), params)
         seq = Sequence(req.seq_ids[0], ids, max_len)
         seq.skip_prefix_cache = params.prompt_logprobs is not None
@@ -320,16 +263,16 @@ class LLMEngine:
         capture = self.speculator.capture_layers if self.speculator else ()
         step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture)
         logits = step_out.logits
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         for row_index, req, position in layout.prompt_rows:
             lps = logits[row_index].log_softmax(-1)
             req.prompt_logprobs.append(position_logprobs(lps, req.prompt_ids[position], req.params.prompt_logprobs))
             touched[req.request_id] = req
         sampled: dict[str, list[int]] = {}
         sample_row: dict[str, int] = {}
-        forks: list[tuple[_Request, int, int, int]] = []
+        forks: list[tuple[EngineRequest, int, int, int]] = []
         accepted: dict[str, int] = {}
-        draws: list[tuple[_Request, int, Sequence, int]] = []  # (request, completion, sequence, logit row)
+        draws: list[tuple[EngineRequest, int, Sequence, int]] = []  # (request, completion, sequence, logit row)
         for row_index, item in layout.sample_rows:
             req, index = self._seq_owner[item.seq.seq_id]
             draft = drafts.get(item.seq.seq_id)
@@ -399,7 +342,7 @@ class LLMEngine:
             logits = step_out.logits.index_select(0, to_device(rows, torch.int64, device)).float()
             logits = self._penalize_deferred(logits, draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
-                                        [_sub_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
+                                        [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
             if wanted:
                 sel = to_device(wanted, torch.int64, device)
                 top = max(draws[j][0].params.logprobs for j in wanted)
@@ -434,7 +377,7 @@ class LLMEngine:
         """Give the in-flight step's sequences their sampled tokens and apply stop conditions."""
         if pending is None:
             return []
-        touched: dict[str, _Request] = {}
+        touched: dict[str, EngineRequest] = {}
         tokens, *stats = pending.wait()
         stats_of = {j: [column[n] for column in stats] for n, j in enumerate(pending.logprob_rows)}
         for j, ((req, index, seq), token) in enumerate(zip(pending.draws, tokens)):
@@ -453,7 +396,7 @@ class LLMEngine:
             return plan
         return SchedulerOutput(keep, plan.preempted, sum(e.num_new_tokens for e in keep))
 
-    def _finish_outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+    def _finish_outputs(self, touched: dict[str, EngineRequest]) -> list[RequestOutput]:
         outputs = [req.snapshot() for req in touched.values()]
         for out in outputs:
             if out.finished:
@@ -511,12 +454,12 @@ class LLMEngine:
             if params.dspark_speculation is False or limit == 0:
                 continue
             requests.append(DraftRequest(item.seq.seq_id, item.seq.last_token_id, item.start, limit, params,
-                                         _sub_seed(req.seed, index), tuple(item.seq.block_table)))
+                                         completion_seed(req.seed, index), tuple(item.seq.block_table)))
         return self.speculator.propose(requests, plan.num_batched_tokens, sampling)
 
-    def _verify(self, req: _Request, index: int, seq: Sequence, draft, rows: torch.Tensor):
+    def _verify(self, req: EngineRequest, index: int, seq: Sequence, draft, rows: torch.Tensor):
         output = req.completions[index].token_ids
-        ctx = VerifyContext(req.params, _sub_seed(req.seed, index), seq.num_tokens, req.prompt_ids, output,
+        ctx = VerifyContext(req.params, completion_seed(req.seed, index), seq.num_tokens, req.prompt_ids, output,
                             lambda n: self._suppressed(req, n), seq.max_len - seq.num_tokens,
                             trace=self.speculator.metrics.record_traces)
         result = verify(rows, draft.proposal, ctx)
@@ -535,13 +478,13 @@ class LLMEngine:
                                             tuple(seq.block_table)))
         self.speculator.observe(observations, step_out.hidden, step_out.captured)
 
-    def _suppressed(self, req: _Request, output_len: int) -> list[int]:
+    def _suppressed(self, req: EngineRequest, output_len: int) -> list[int]:
         if output_len >= req.params.min_tokens:
             return []
         eos = [] if req.params.ignore_eos else list(self.config.eos_token_ids)
         return eos + list(req.params.stop_token_ids)
 
-    def _sample_all(self, draws: list[tuple[_Request, int, Sequence, int]], logits: torch.Tensor) -> list[int]:
+    def _sample_all(self, draws: list[tuple[EngineRequest, int, Sequence, int]], logits: torch.Tensor) -> list[int]:
         """One token per (request, completion, sequence, logit row). Rows without penalties or suppressed ids
         sample together (one host copy for the step); the others one by one. Same tokens either way."""
         tokens: list[int | None] = [None] * len(draws)
@@ -550,20 +493,20 @@ class LLMEngine:
             output = req.completions[index].token_ids
             suppressed = self._suppressed(req, len(output))
             if needs_row_processing(req.params) or suppressed:
-                tokens[i] = sample_token(logits[row_index], req.params, _sub_seed(req.seed, index), seq.num_tokens,
+                tokens[i] = sample_token(logits[row_index], req.params, completion_seed(req.seed, index), seq.num_tokens,
                                          req.prompt_ids, output, suppressed)
             else:
                 batched.append(i)
         if batched:
             rows = torch.tensor([draws[i][3] for i in batched], dtype=torch.int64, device=logits.device)
             picked = sample_rows(logits.index_select(0, rows), [draws[i][0].params for i in batched],
-                                 [_sub_seed(draws[i][0].seed, draws[i][1]) for i in batched],
+                                 [completion_seed(draws[i][0].seed, draws[i][1]) for i in batched],
                                  [draws[i][2].num_tokens for i in batched])
             for i, token in zip(batched, picked):
                 tokens[i] = token
         return tokens
 
-    def _append(self, req: _Request, index: int, token: int, row: torch.Tensor | None,
+    def _append(self, req: EngineRequest, index: int, token: int, row: torch.Tensor | None,
                 logprobs: PositionLogprobs | None = None) -> None:
         """Record a sampled token for completion `index` and apply stop conditions."""
         comp, checker, params = req.completions[index], req.checkers[index], req.params
@@ -585,12 +528,12 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             checker.finish()
-            comp.finish_reason = _FINISH_REASON[status]
+            comp.finish_reason = FINISH_REASON[status]
             self.scheduler.finish(req.seq_ids[index], status)
         comp.delta_text += checker.take_delta(final=status is not None)
         comp.text = checker.visible
 
-    def _fork(self, req: _Request, index: int, token: int) -> None:
+    def _fork(self, req: EngineRequest, index: int, token: int) -> None:
         """Completion `index` shares the parent's prompt blocks and starts from its own first token."""
         child = Sequence(req.seq_ids[index], req.prompt_ids, self._max_len(len(req.prompt_ids), req.params), [token])
         self._seq_owner[child.seq_id] = (req, index)
