@@ -42,11 +42,14 @@ class CudaSM100Backend(ReferenceBackend):
     @property
     def capabilities(self):
         # Batch invariance needs every query reduced the same way whatever its chunk: absorbed attention only.
-        caps = type(self).CAPABILITIES
-        if self.batch_invariant:
+        caps = self.__dict__.get("_capabilities")
+        if caps is None:
             import dataclasses
 
-            return dataclasses.replace(caps, decompressed_prefill=False)
+            caps = type(self).CAPABILITIES
+            if self.batch_invariant:
+                caps = dataclasses.replace(caps, decompressed_prefill=False)
+            self.__dict__["_capabilities"] = caps
         return caps
 
     @staticmethod

@@ -339,15 +339,14 @@ class LLMEngine:
         tokens = torch.empty(0, dtype=torch.int64, device=device)
         extras, wanted = (), tuple(j for j, (r, _, _) in enumerate(draws) if r.params.logprobs is not None)
         if draws:
-            logits = step_out.logits.index_select(0, to_device(rows, torch.int64, device)).float()
-            logits = self._penalize_deferred(logits, draws, pending)
+            raw = step_out.logits.index_select(0, to_device(rows, torch.int64, device))
+            logits = self._penalize_deferred(raw.float(), draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
                                         [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
             if wanted:
                 sel = to_device(wanted, torch.int64, device)
                 top = max(draws[j][0].params.logprobs for j in wanted)
-                raw = step_out.logits.index_select(0, to_device([rows[j] for j in wanted], torch.int64, device))
-                extras = logprob_stats(raw.float().log_softmax(-1), tokens.index_select(0, sel), top)
+                extras = logprob_stats(raw.index_select(0, sel).float().log_softmax(-1), tokens.index_select(0, sel), top)
         return InFlightStep.launch(plan, draws, tokens, extras, wanted)
 
     def _penalize_deferred(self, logits: torch.Tensor, draws: list, pending: InFlightStep | None) -> torch.Tensor:

@@ -194,9 +194,12 @@ def sample_token(
 
 
 def position_logprobs(logprobs_row: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
-    """The chosen token's log-probability and rank, plus the top_n most likely tokens."""
-    stats = logprob_stats(logprobs_row[None], torch.tensor([chosen], device=logprobs_row.device), top_n)
-    return assemble_logprobs(chosen, *(t[0].tolist() for t in stats), top_n)
+    """The chosen token's log-probability and rank, plus the top_n most likely tokens (one row, indexed by
+    a host int: no index tensor to copy to the device)."""
+    chosen_lp = logprobs_row[chosen]
+    rank = int((logprobs_row > chosen_lp).sum()) + 1
+    values, ids = torch.topk(logprobs_row, top_n) if top_n else (logprobs_row[:0], logprobs_row[:0])
+    return assemble_logprobs(chosen, float(chosen_lp), rank, values.tolist(), ids.tolist(), top_n)
 
 
 def logprob_stats(logprobs: torch.Tensor, chosen: torch.Tensor, top_k: int):

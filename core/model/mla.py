@@ -55,6 +55,7 @@ class MLAttention:
         dtype = self.kv_a_layernorm.dtype  # the model's activation dtype
         self.w_uk_t = LinearWeight.dense(kv_b[:, : self.nope, :].transpose(1, 2).contiguous().to(dtype))
         self.w_uv = LinearWeight.dense(kv_b[:, self.nope :, :].contiguous().to(dtype))
+        self.decompress_prefill = backend.capabilities.decompressed_prefill
         # The same map as one [H * (nope + v), kv_lora_rank] projection, for decompressing cached latents.
         self.kv_b = LinearWeight.dense(kv_b.reshape(-1, self.kv_lora_rank).to(dtype))
         self._head_groups: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -90,7 +91,7 @@ class MLAttention:
 
         cache = ctx.kv_caches[layer]
         be.write_cache(ctx.plan, cache, c_kv, k_pe)
-        if be.capabilities.decompressed_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
+        if self.decompress_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
             out = self._decompressed(ctx, cache, q_nope, q_pe)
             return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
         q_latent = self._per_head(q_nope, self.w_uk_t)
