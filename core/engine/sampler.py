@@ -11,7 +11,6 @@ the user are those of the raw model distribution.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -23,27 +22,16 @@ from deepinfer.transfer import to_device
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
     """One row [V]: repetition penalty over prompt + output tokens, frequency and presence over output tokens."""
-    if params.repetition_penalty == 1.0 and not params.frequency_penalty and not params.presence_penalty:
-        return logits
-    x = logits.clone()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=x.device)
-        vals = x[seen]
-        x[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if output_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = Counter(output_ids)
-        ids = torch.tensor(list(counts), dtype=torch.long, device=x.device)
-        freq = torch.tensor(list(counts.values()), dtype=x.dtype, device=x.device)
-        x[ids] -= params.frequency_penalty * freq + params.presence_penalty
-    return x
+    return apply_penalties_rows(logits[None], [params], [prompt_ids], [output_ids], None, [()])[0]
 
 
 def apply_penalties_rows(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
                          output_ids: Sequence[Sequence[int]], pending: torch.Tensor | None,
                          suppressed: Sequence[Sequence[int]]) -> torch.Tensor:
-    """apply_penalties() and the min_tokens suppression of sample_token() for every row of float32 logits
-    [R, V] at once, on their device. A row's output is output_ids[r] plus, where pending[r] >= 0, one token
-    still on the device (overlapped scheduling). Same values as the one-row path."""
+    """Penalties, then min_tokens suppression (suppressed ids to -inf), for every row of float32 logits [R, V]
+    at once, on their device: repetition over prompt + output tokens (x / p where x > 0, else x * p), then
+    x - (frequency * count + presence * [count > 0]) over output tokens. A row's output is output_ids[r]
+    plus, where pending[r] >= 0, one token still on the device (overlapped scheduling)."""
     rows = [r for r, p in enumerate(params) if needs_row_processing(p) or suppressed[r]]
     if not rows:
         return logits
@@ -186,11 +174,9 @@ def sample_token(
     suppressed_ids: Sequence[int] = (),
 ) -> int:
     """Pick the token at `position` (its index in the whole sequence) from raw logits [V]."""
-    x = apply_penalties(logits.float(), params, prompt_ids, output_ids)
-    if suppressed_ids:  # min_tokens not reached: end-of-sequence and stop ids may not be chosen
-        x = x.clone()
-        x[torch.tensor(list(suppressed_ids), dtype=torch.long, device=x.device)] = float("-inf")
-    return sample_rows(x[None], [params], [seed], [position])[0]
+    # suppressed_ids: min_tokens not reached, so end-of-sequence and stop ids may not be chosen
+    x = apply_penalties_rows(logits.float()[None], [params], [prompt_ids], [output_ids], None, [suppressed_ids])
+    return sample_rows(x, [params], [seed], [position])[0]
 
 
 def position_logprobs(logprobs_row: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
