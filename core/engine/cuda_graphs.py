@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,7 +143,5 @@ class DecodeGraphs:
 
 def reserve_sink(spec: KVCacheSpec) -> tuple[KVCacheSpec, int]:
     """The cache spec with one more block, and that block's id: padded graph rows write and read only there."""
-    from dataclasses import replace
-
     return replace(spec, num_blocks=spec.num_blocks + 1), spec.num_blocks
 
