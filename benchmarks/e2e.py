@@ -209,8 +209,8 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     return events_median(lambda: graphs.replay(size), 20)
 
 
-def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, top: int = 18) -> None:
-    """Kernel time breakdown of one eager decode step (graphs hide kernels from the profiler)."""
+def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, top: int = 25) -> None:
+    """Kernel time breakdown of one eager decode step (kernel time without the launch gaps a graph removes)."""
     from deepinfer.engine.sampling_params import SamplingParams
 
     vocab = engine.config.vocab_size
@@ -276,7 +276,7 @@ def main() -> None:
     p.add_argument("--backend", default="cuda_sm100")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
-    p.add_argument("--ttft", nargs="+", type=int, default=[4096, 32768])
+    p.add_argument("--ttft", nargs="*", type=int, default=[4096, 32768])
     p.add_argument("--gen", type=int, default=64, help="tokens generated per request in the decode cells")
     p.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "fp8_e4m3", "fp32"])

@@ -404,20 +404,23 @@ def _workspace(plan: MLAPlan, heads: int, device: torch.device):
 
 # (BM, BN, num_warps, num_stages) candidates, best first; a launch that runs out of shared memory or
 # registers moves down the list (remembered per shape), so an untried GPU never fails a step.
-# Rank 512 (DeepSeek): candidates from sm_90 compiles (ptxas: no spills) ordered by H200 timings
-# (benchmarks/mla_decode.py --sweep). 64-row tiles use wgmma and need 8 warps for the 64 x 512 fp32
-# accumulator; 16 / 32-row tiles use mma.sync, where 8 warps avoid the spills 4 warps have.
+# Rank 512 (DeepSeek): candidates from sm_90 compiles (benchmarks/triton_sm90_report.py: few or no spills,
+# asynchronous copies in the key loop) ordered by H200 timings (benchmarks/mla_decode.py --sweep). 64-row
+# tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync, where
+# 8 warps avoid the spills 4 warps have. Splitting the output columns over two one-warpgroup programs (two
+# per SM) measured 1.5x slower at 128 heads: both recompute the scores.
 _GPU_CONFIGS = {
-    ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],  # BN 64 despite a few spills
+    ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
     ("big", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
     ("big", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
-    ("big", 64, True): [(64, 32, 8, 2), (64, 16, 8, 2), (64, 16, 8, 1)],
+    ("big", 64, True): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
     ("big", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
     ("big", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
 }
 for _bm in (16, 32, 64):
     for _fp8 in (False, True):
         _GPU_CONFIGS[("small", _bm, _fp8)] = [(_bm, 64, 4, 2), (_bm, 32, 4, 1)]
+_CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
 _chosen: dict = {}
 
 
@@ -429,7 +432,7 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
     override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt]]": benchmark sweeps
     if override:
         v = [int(x) for x in override.split(",")]
-        cfg = dict(BM=v[0], BN=v[1], num_warps=v[2], num_stages=v[3])
+        cfg = dict(zip(_CONFIG_FIELDS, v[:4]))
         if len(v) > 4:
             cfg["FOLD"] = bool(v[4])
         if len(v) > 5:
@@ -438,7 +441,7 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
     # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
     bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
     key = ("big" if spec.kv_lora_rank > 128 else "small", bm, spec.is_fp8)
-    return dict(zip(("BM", "BN", "num_warps", "num_stages"), _GPU_CONFIGS[key][0]), _key=key)
+    return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
 
 
 def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
@@ -453,12 +456,11 @@ def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
     from triton.runtime.errors import OutOfResources
 
     for i, c in enumerate(_GPU_CONFIGS[key][start:], start):
-        bm, bn, w, s = c
-        if bm != cfg["BM"]:
+        c = dict(zip(_CONFIG_FIELDS, c))
+        if c["BM"] != cfg["BM"]:
             continue
         try:
-            kernel[grid](*args, **consts, BM=bm, BN=bn, num_warps=w, num_stages=s, ALIGNED=aligned(bn),
-                         FOLD=fold_ok(bm), CVT=0)
+            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold_ok(c["BM"]), CVT=0)
             _chosen[shape_key] = i
             return
         except OutOfResources:

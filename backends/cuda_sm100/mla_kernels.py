@@ -127,6 +127,28 @@ def _load_rope(rope_ptr, rrow, nmask, P: tl.constexpr, PP: tl.constexpr):
 
 
 @triton.jit
+def _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, c: tl.constexpr, R: tl.constexpr, CH: tl.constexpr):
+    """Chunk c of an FP8 key tile as stored (E4M3, [BN, CH]) and its per-token scales."""
+    return _load_latent(lat_ptr, row, nmask, c, R, CH), tl.load(scl_ptr + srow + c, mask=nmask, other=0.0)
+
+
+@triton.jit
+def _load_fp8_tile(lat_ptr, scl_ptr, rope_ptr, row, srow, rrow, nmask, R: tl.constexpr, P: tl.constexpr,
+                   CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr):
+    """A whole FP8 key tile: latent chunks with their scales, and the bf16 rope key. Chunks past NC repeat
+    chunk 0; the caller never reads them."""
+    n0, s0 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 0, R, CH)
+    n1, s1, n2, s2, n3, s3 = n0, s0, n0, s0, n0, s0
+    if NC > 1:
+        n1, s1 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 1, R, CH)
+    if NC > 2:
+        n2, s2 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 2, R, CH)
+    if NC > 3:
+        n3, s3 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 3, R, CH)
+    return n0, s0, n1, s1, n2, s2, n3, s3, _load_rope(rope_ptr, rrow, nmask, P, PP)
+
+
+@triton.jit
 def fp8_operand(k8, scale, FOLD: tl.constexpr, CVT: tl.constexpr, DOT_T: tl.constexpr, INTERP: tl.constexpr):
     """E4M3 tile -> bf16 MMA operand (times the token's scale unless FOLD). CVT 0: the cvt chain (e4m3x2 ->
     f16x2 -> f32 -> bf16). CVT 1: bit placement, ((b & 0x7f) << 4) | ((b & 0x80) << 8) is exactly the E4M3
@@ -230,56 +252,44 @@ def mla_attn_kernel(
 
     bt_row = bt_ptr + seq.to(tl.int64) * bt_stride
     rows_args = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
-    if FP8:
-        # FP8 tiles go through a conversion before the MMA, which Triton's pipeliner does not prefetch:
-        # load the next tile's bytes into registers one iteration ahead instead.
+    tile_args = (lat_ptr, scl_ptr, rope_ptr)
+    # FP8 tiles go through a conversion before the MMA. 64-row tiles leave the loads to Triton's pipeliner
+    # (asynchronous copies to shared memory); 16 / 32-row tiles measured faster loading the next tile's bytes
+    # into registers one iteration ahead (H200, 2026-11-29 sweeps).
+    PREFETCH: tl.constexpr = FP8 and BM < 64
+    if PREFETCH:
         _, nm, row, srow, rrow = _tile_rows(bt_row, kv_lo, kv_end, *rows_args, BN, ALIGNED)
-        n0 = _load_latent(lat_ptr, row, nm, 0, R, CH)
-        ns0 = tl.load(scl_ptr + srow, mask=nm, other=0.0)
-        if NC > 1:
-            n1 = _load_latent(lat_ptr, row, nm, 1, R, CH)
-            ns1 = tl.load(scl_ptr + srow + 1, mask=nm, other=0.0)
-        if NC > 2:
-            n2 = _load_latent(lat_ptr, row, nm, 2, R, CH)
-            ns2 = tl.load(scl_ptr + srow + 2, mask=nm, other=0.0)
-        if NC > 3:
-            n3 = _load_latent(lat_ptr, row, nm, 3, R, CH)
-            ns3 = tl.load(scl_ptr + srow + 3, mask=nm, other=0.0)
-        nkpe = _load_rope(rope_ptr, rrow, nm, P, PP)
+        nxt = _load_fp8_tile(*tile_args, row, srow, rrow, nm, R, P, CH, NC, PP)
     # The interpreter cannot loop to a runtime bound (numpy 2): there a host constexpr bound, masked tail.
     for rel in range(0, MAX_SPAN if INTERP else kv_end - kv_lo, BN):
+        offs, nmask, row, srow, rrow = _tile_rows(bt_row, kv_lo + rel, kv_end, *rows_args, BN, ALIGNED)
         if FP8:
-            offs = kv_lo + rel + tl.arange(0, BN)
-            nmask = offs < kv_end
             # FOLD: scales multiply the scores and probabilities ([BM, BN]) instead of the [BN, R] tile, and
             # the MMA operand is the exact E4M3 value in bf16 (bf16 keeps fp32's range: p * scale is safe).
             # Fewer ALU ops per key, but one score matrix per chunk: for 16/32-row tiles. Otherwise the
             # tile is dequantised (for 64-row tiles, whose registers the wgmma accumulator fills).
-            k0 = fp8_operand(n0, ns0, FOLD, CVT, DOT_T, INTERP)
-            sc0 = ns0
+            if PREFETCH:
+                n0, sc0, n1, sc1, n2, sc2, n3, sc3, kpe = nxt
+                _, nm, nrow, nsrow, nrrow = _tile_rows(bt_row, kv_lo + rel + BN, kv_end, *rows_args, BN, ALIGNED)
+                nxt = _load_fp8_tile(*tile_args, nrow, nsrow, nrrow, nm, R, P, CH, NC, PP)
+            else:  # chunk by chunk: each chunk's bytes are dead once converted
+                n0, sc0 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 0, R, CH)
+            k0 = fp8_operand(n0, sc0, FOLD, CVT, DOT_T, INTERP)
             if NC > 1:
-                k1 = fp8_operand(n1, ns1, FOLD, CVT, DOT_T, INTERP)
-                sc1 = ns1
+                if not PREFETCH:
+                    n1, sc1 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 1, R, CH)
+                k1 = fp8_operand(n1, sc1, FOLD, CVT, DOT_T, INTERP)
             if NC > 2:
-                k2 = fp8_operand(n2, ns2, FOLD, CVT, DOT_T, INTERP)
-                sc2 = ns2
+                if not PREFETCH:
+                    n2, sc2 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 2, R, CH)
+                k2 = fp8_operand(n2, sc2, FOLD, CVT, DOT_T, INTERP)
             if NC > 3:
-                k3 = fp8_operand(n3, ns3, FOLD, CVT, DOT_T, INTERP)
-                sc3 = ns3
-            kpe = nkpe.to(DOT_T)
-            _, nm, row, srow, rrow = _tile_rows(bt_row, kv_lo + rel + BN, kv_end, *rows_args, BN, ALIGNED)
-            n0 = _load_latent(lat_ptr, row, nm, 0, R, CH)
-            ns0 = tl.load(scl_ptr + srow, mask=nm, other=0.0)
-            if NC > 1:
-                n1 = _load_latent(lat_ptr, row, nm, 1, R, CH)
-                ns1 = tl.load(scl_ptr + srow + 1, mask=nm, other=0.0)
-            if NC > 2:
-                n2 = _load_latent(lat_ptr, row, nm, 2, R, CH)
-                ns2 = tl.load(scl_ptr + srow + 2, mask=nm, other=0.0)
-            if NC > 3:
-                n3 = _load_latent(lat_ptr, row, nm, 3, R, CH)
-                ns3 = tl.load(scl_ptr + srow + 3, mask=nm, other=0.0)
-            nkpe = _load_rope(rope_ptr, rrow, nm, P, PP)
+                if not PREFETCH:
+                    n3, sc3 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 3, R, CH)
+                k3 = fp8_operand(n3, sc3, FOLD, CVT, DOT_T, INTERP)
+            if not PREFETCH:
+                kpe = _load_rope(rope_ptr, rrow, nmask, P, PP)
+            kpe = kpe.to(DOT_T)
             if FOLD:
                 s = tl.dot(q0, tl.trans(k0)) * sc0[None, :]
                 if NC > 1:
@@ -297,7 +307,6 @@ def mla_attn_kernel(
                 if NC > 3:
                     s = tl.dot(q3, tl.trans(k3), s)
         else:
-            offs, nmask, row, srow, rrow = _tile_rows(bt_row, kv_lo + rel, kv_end, *rows_args, BN, ALIGNED)
             k0 = _load_latent(lat_ptr, row, nmask, 0, R, CH).to(DOT_T)
             s = tl.dot(q0, tl.trans(k0))
             if NC > 1:
