@@ -19,6 +19,7 @@ from deepinfer.attention import read_cached_sequence
 from deepinfer.backend import Backend
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
+from deepinfer.model.mlp import concat_out_features
 from deepinfer.weights import LinearWeight
 
 
@@ -37,13 +38,17 @@ class MLAttention:
         self.softmax_scale = config.softmax_scale
         self.rope_interleaved = config.rope_spec().interleaved
         self.cos_sin_cache = cos_sin_cache
-        if self.q_lora_rank is None:
-            self.q_proj = weights["q_proj"]
-        else:
-            self.q_a_proj = weights["q_a_proj"]
+        # The query's first projection (q_proj, or q_a_proj under q_lora) and kv_a_proj_with_mqa read the same
+        # hidden state: one GEMM over their concatenated rows where the format allows (a launch per layer less,
+        # and a fuller GEMM at decode batch sizes); the separate weights are kept only when they do not fuse.
+        q_first = weights["q_proj" if self.q_lora_rank is None else "q_a_proj"]
+        kv_a = weights["kv_a_proj_with_mqa"]
+        self.kv_a_width = kv_a.out_features
+        self.q_kv_a = concat_out_features(q_first, kv_a)
+        self.q_first, self.kv_a = (None, None) if self.q_kv_a is not None else (q_first, kv_a)
+        if self.q_lora_rank is not None:
             self.q_a_layernorm = weights["q_a_layernorm"]
             self.q_b_proj = weights["q_b_proj"]
-        self.kv_a_proj_with_mqa = weights["kv_a_proj_with_mqa"]
         self.kv_a_layernorm = weights["kv_a_layernorm"]
         self.o_proj = weights["o_proj"]
         # kv_b_proj [H * (nope + v), kv_lora_rank] split per head into the absorbed GEMMs' stacked weights:
@@ -75,13 +80,16 @@ class MLAttention:
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         be, ops = self.backend, self.backend.ops
         t = x.shape[0]
-        if self.q_lora_rank is None:
-            q = be.linear(x, self.q_proj)
+        if self.q_kv_a is not None:
+            q_first, kv = be.linear(x, self.q_kv_a).split([self.q_kv_a.out_features - self.kv_a_width, self.kv_a_width], -1)
         else:
-            q = be.linear(ops.rms_norm(be.linear(x, self.q_a_proj), self.q_a_layernorm, self.eps), self.q_b_proj)
+            q_first, kv = be.linear(x, self.q_first), be.linear(x, self.kv_a)
+        if self.q_lora_rank is None:
+            q = q_first
+        else:
+            q = be.linear(ops.rms_norm(q_first, self.q_a_layernorm, self.eps), self.q_b_proj)
         q = q.view(t, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        kv = be.linear(x, self.kv_a_proj_with_mqa)
         c_kv = ops.rms_norm(kv[:, : self.kv_lora_rank], self.kv_a_layernorm, self.eps)
         k_pe = kv[:, self.kv_lora_rank :]
         positions = ctx.positions

@@ -33,7 +33,7 @@ def fp8_checkpoints(tmp_path_factory):
 
 def _formats(llm: LLM) -> set[WeightFormat]:
     attn = llm.model.layers[1].self_attn
-    return {attn.q_a_proj.format, attn.o_proj.format, llm.model.layers[1].mlp.experts.down.format}
+    return {attn.q_b_proj.format, attn.o_proj.format, llm.model.layers[1].mlp.experts.down.format}
 
 
 def test_fp8_checkpoint_stays_fp8_and_matches_dequantized(fp8_checkpoints, gen):
