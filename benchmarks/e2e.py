@@ -219,7 +219,8 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
         engine.add_request(f"prof-{i}", torch.randint(2, vocab, (context,), generator=gen).tolist(), params)
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:
-        for _ in range(2):  # prefill, then a decode step to warm up
+        chunk = engine.engine_config.max_num_batched_tokens
+        for _ in range(2 + batch * context // chunk):  # the prefill chunks, then a decode step to warm up
             engine.step()
         on_gpu = engine.backend.device.type == "cuda"
         activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
@@ -232,6 +233,16 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
         engine.runner.graphs = graphs
         while engine.has_unfinished():
             engine.step()
+
+
+def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25) -> None:
+    """Kernel time breakdown of a whole prefill (all its chunks) of one prompt."""
+    on_gpu = engine.backend.device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        run_ttft(engine, prompt_len, gen)
+    key = "cuda_time_total" if on_gpu else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 def run_ttft(engine, prompt_len: int, gen: torch.Generator) -> float:
@@ -286,7 +297,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--peer-context", type=int, default=1024)
-    p.add_argument("--profile", action="store_true", help="kernel breakdown of eager decode steps (batch 1, 32)")
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of eager decode steps (batch 1, 32) and of each TTFT prefill")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model with the same structure (script test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -374,6 +385,9 @@ def main() -> None:
             print(f"  time to first token, {prompt}-token prompt: {ttft * 1e3:.0f} ms; FLOP floor "
                   f"{floor * 1e3:.0f} ms at {mm_rate:.0f} TFLOPS ({ttft / floor:.2f}x the floor)", flush=True)
             results["cells"].append({"precision": precision, "ttft_prompt": prompt, "ttft_s": ttft, "floor_s": floor})
+            if args.profile:
+                print(f"  prefill of a {prompt}-token prompt: kernels by CUDA time")
+                profile_prefill(engine, prompt, gen)
         del engine
         if on_gpu:
             torch.cuda.empty_cache()
