@@ -98,24 +98,37 @@ def fp8_weight(n: int, k: int, groups: int | None = None) -> LinearWeight:
     return LinearWeight.fp8_block(data, scale)
 
 
+def cfg_name(c: G.TileConfig) -> str:
+    flags = [f for f, on in (("tma", c.tma), ("ws", c.ws)) if on]
+    return (f"{c.bm}x{c.bn} w{c.warps} s{c.stages}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
+            + (f" gm{c.group_m}" if c.group_m != 8 else "") + "".join(" " + f for f in flags))
+
+
 def sweep_configs(m: int, n: int, k: int) -> list[G.TileConfig]:
     base = G.pick_config(m, n, k, 1, 0, DEV)
     cands = [base]
     if m >= 1024 or SMOKE:
-        # (256x128 tiles with 16 warps were tried on 2026-11-29: they spill and ran 10-35% slower)
-        cands += [G.TileConfig(128, 128, 128, 8, 3, tma=True), G.TileConfig(128, 128, 128, 8, 5, tma=True),
-                  G.TileConfig(128, 128, 128, 8, 4, tma=False)]
+        # (256x128 tiles with 16 warps were tried on 2026-11-29: they spill and ran 10-35% slower; 128x256 and
+        # 256x128 with 8 warps spill too, offline for sm_90a: 56-392 bytes of stack)
+        # (2026-11-29, H200: the half-tile variant that keeps one MMA in flight across the other half's promotion
+        # ran 5-25% below plain tiles at every shape, so it is not in the kernel; see gemm._fp8_large_m_stages)
+        t = G.TileConfig(64, 128, 128, 4, 3, group_m=16, tma=True)
+        cands += [G.TileConfig(128, 128, 128, 8, 4, tma=True), replace(t, stages=7 - base.stages), replace(t, group_m=8)]
     else:
+        # The large-M tile, unsplit where it fills the GPU (H200, 2026-11-29: M=128, 24576x1536 473 vs 367 TFLOPS and
+        # 32768x512 270 vs 258 for the default; slower where split-K is needed). TMA costs host time when eager.
         sms = G._num_sms(DEV)
+        kb = triton.cdiv(k, 128)
         for bm, bn in ((64, 128), (64, 64)):
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-            kb = triton.cdiv(k, 128)
             split = G.split_divisor(kb, min(max(1, sms // tiles), max(1, kb // 4), 8))
             cands.append(G.TileConfig(bm, bn, 128, 4, 5, split_k=split, tma=True))
         cands.append(replace(base, split_k=1))
         cands.append(replace(base, tma=not base.tma))
         if m >= 128:
             cands.append(G.TileConfig(128, 128, 128, 8, 4, tma=True))
+        tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+        cands.append(G.TileConfig(64, 128, 128, 4, 3, tma=True, split_k=G.split_divisor(kb, min(max(1, 3 * sms // tiles), max(1, kb // 4), 8))))
     seen, out = set(), []
     for c in cands:
         if c not in seen:
@@ -159,10 +172,12 @@ def bench_fp8(sweep: bool, deadline: float) -> None:
                 ok = [(t, c) for t, c, _ in tried if t is not None]
                 if ok:
                     t, c = min(ok, key=lambda p: p[0])
-                    best = f"{tflops(m, n, k, t):.0f} @ bm{c.bm} bn{c.bn} w{c.warps} s{c.stages} sk{c.split_k}{' tma' if c.tma else ''}{' ws' if c.ws else ''}"
+                    best = f"{tflops(m, n, k, t):.0f} @ {cfg_name(c)}"
                 for t, c, err in tried:
                     if err:
                         print(f"  (config {asdict(c)} failed: {err})", file=sys.stderr)
+                print(f"|   sweep M={m} {n}x{k} (TFLOPS; cuBLAS FP8 {tflops(m, n, k, cub) if cub else float('nan'):.0f}): "
+                      + "; ".join(f"{cfg_name(c)} {tflops(m, n, k, t) if t else float('nan'):.0f}" for t, c, _ in tried) + " |")
             f = lambda ms: tflops(m, n, k, ms) if ms else float("nan")  # noqa: E731
             row = {"m": m, "n": n, "k": k, "ours": f(ours), "ours_e2e": f(e2e), "cublas_fp8": f(cub), "bf16": f(bf),
                    "ours_eager": f(ours_eager), "cublas_eager": f(cub_eager), "cublas_error": err_c, "best_sweep": best}
@@ -220,13 +235,14 @@ def bench_grouped(deadline: float) -> None:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         xq, xs = G.quantize_fp8(x, column_major_scales=True)
         host = sizes.tolist()
-        ours, _ = try_time(lambda: G.grouped_linear(xq, w, sizes, x_scale=xs))
+        ours, _ = try_time(lambda: G.grouped_linear(xq, w, sizes, x_scale=xs, validate=False))
         alts = []
-        for cfg in (G.TileConfig(128, 128, 128, 8, 4, tma=True), G.TileConfig(64, 128, 128, 4, 5, tma=True)):
-            t, err = try_time(lambda: G.grouped_linear(xq, w, sizes, x_scale=xs, cfg=cfg))
-            alts.append(f"bm{cfg.bm}: {tflops(m, n, k, t) if t else float('nan'):.0f}{' (' + err + ')' if err else ''}")
+        for cfg in (G.TileConfig(128, 128, 128, 8, 4, tma=True), G.TileConfig(64, 128, 128, 4, 5, tma=True),
+                    G.TileConfig(64, 128, 128, 4, 3, tma=True)):
+            t, err = try_time(lambda: G.grouped_linear(xq, w, sizes, x_scale=xs, cfg=cfg, validate=False))
+            alts.append(f"{cfg_name(cfg)}: {tflops(m, n, k, t) if t else float('nan'):.0f}{' (' + err + ')' if err else ''}")
         print(f"|   {name}: tile alternatives (GEMM only, TFLOPS): {'; '.join(alts)} | | | | | |")
-        e2e, _ = try_time(lambda: G.grouped_linear(x, w, sizes))
+        e2e, _ = try_time(lambda: G.grouped_linear(x, w, sizes, validate=False))
         f = lambda ms: tflops(m, n, k, ms) if ms else float("nan")  # noqa: E731
         sb = torch.rand(groups, 1, n, device=DEV) + 0.5
         sa = torch.rand(m, 1, device=DEV) + 0.5
@@ -257,7 +273,7 @@ def bench_grouped(deadline: float) -> None:
             RESULTS["grouped"].append({"case": name, "ours": f(ours), "ours_e2e": f(e2e), "peer": pname, "peer_tflops": f(t) if t else None, "error": err})
         if groups == 256:
             # Fused gate/up + SiLU + quantisation (N = 2 x 2048) and, for decode, the masked layout.
-            fused, _ = try_time(lambda: G.gate_up_silu(x, w, group_sizes=sizes))
+            fused, _ = try_time(lambda: G.gate_up_silu(x, w, group_sizes=sizes, validate=False))
             print(f"| {name}: fused gate/up+SiLU+FP8 quant (one kernel) | {f(fused):.0f} |  |  |  |  |")
             if tokens <= 128:
                 cap = max(16, triton.next_power_of_2(int(sizes.max())))

@@ -95,6 +95,9 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
     sms = _num_sms(device)
+    if layout != 0 and fp8:  # grouped FP8: the large-M tile below at every group size (H200, 2026-11-29: 8 x 512
+        # rows 896 vs 805 TFLOPS for 128x128 / 8 warps; 256 experts top-8: 4096 tokens 627 vs 474, 128 tokens 34 vs 32-34)
+        return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=3, tma=True)
     if layout != 0:  # grouped: 64-row tiles while groups are small (decode), else 128 (measured on H200)
         if rows <= 128:
             return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=stages, tma=True)
@@ -107,13 +110,35 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     elif rows <= 128:
         wide_n = cdiv(n, 128) >= sms  # enough 128x128 tiles to fill the GPU without splitting K
         cfg = TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=4) if wide_n else TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=stages)
+    elif fp8:
+        return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=_fp8_large_m_stages(rows, n, k, sms), group_m=16, tma=True)
     else:
-        return TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
+        return TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=3, tma=True)
     tiles = cdiv(rows, cfg.bm) * cdiv(n, cfg.bn)
     kb = cdiv(k, bk)
     if tiles < sms and kb >= 8:
         cfg = replace(cfg, split_k=split_divisor(kb, min(sms // tiles, kb // 4, 8)))
     return cfg
+
+
+def _fp8_large_m_stages(rows: int, n: int, k: int, sms: int) -> int:
+    """Pipeline depth of the large-M FP8 tile (64x128, one warpgroup), which sets how many CTAs share an SM.
+
+    Triton retires each K block's MMA before promoting it (the scale FMAs wait for the tensor cores and the
+    tensor cores for them), so one 128x128 CTA per SM idles its tensor cores during every promotion. Small
+    CTAs overlap instead: with 3 stages (165 registers, 72 KiB of shared memory) three fit on an SM and one's
+    promotion runs during another's MMAs: +15-40% over 128x128 / 8 warps at M=4096 (H200, 2026-11-29).
+    With long K a tile runs for long, so a last, partly filled wave of CTAs costs more; 4 stages (two CTAs
+    per SM) then win where their waves fill better (7168x16384: 995 vs 858 TFLOPS; 4096x7168: 959 vs 900),
+    and lose 6-16% elsewhere. (Issuing a half-tile's MMA before promoting the other half, so that one stays
+    in flight, measured 5-25% slower: 64-wide MMAs re-read A from shared memory; tiles with more than 64x128
+    accumulators per warpgroup spill, since promotion needs two accumulators.)
+    """
+    if k < 4096:
+        return 3
+    tiles = cdiv(rows, 64) * cdiv(n, 128)
+    fill = lambda per_sm: tiles / (cdiv(tiles, per_sm * sms) * per_sm * sms)  # noqa: E731 - last-wave occupancy
+    return 4 if fill(2) > fill(3) else 3
 
 
 def split_divisor(kb: int, want: int) -> int:
@@ -325,7 +350,8 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None, quantize: bool = True, cfg: TileConfig | None = None):
+                 counts: torch.Tensor | None = None, quantize: bool = True, cfg: TileConfig | None = None,
+                 validate: bool = True):
     """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight, in one kernel.
 
     Layout: a 2-D weight (dense MLP), or stacked with group_sizes (contiguous, x [M, K]) or counts (masked,
@@ -352,7 +378,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
     else:
         layout, cap, sizes, flat = (1 if stacked else 0), 0, group_sizes, x
         if stacked:
-            _check_sizes(group_sizes, groups, x.shape[0], x.device)
+            _check_sizes(group_sizes, groups, x.shape[0], x.device, validate)
     m = flat.shape[0]
     lead = x.shape[:-1]
     if quantize:

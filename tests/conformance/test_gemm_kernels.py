@@ -172,11 +172,12 @@ def test_silu_and_mul_quant_matches_two_steps(cuda_backend, gen):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "dense", "nvfp4"])
-@pytest.mark.parametrize("variant", ["split_k", "tma", "small_tiles"])
+@pytest.mark.parametrize("variant", ["split_k", "tma", "small_tiles", "large_m"])
 def test_tile_variants_agree(cuda_backend, gen, fmt, variant, gemm):
-    """Forced tile configurations (split-K with its reduction, TMA descriptors) give the reference result."""
+    """Forced tile configurations (split-K with its reduction, TMA descriptors, the large-M tile with its
+    grouped tile order) give the reference result."""
     dev = cuda_backend.device
-    m, k, n = 40, 512, 136
+    m, k, n = (40, 512, 136) if variant != "large_m" else (200, 448, 392)  # 448: a partial last K block
     x = torch.randn(m, k, generator=gen)
     lw = _weight(gen, (n, k), fmt, dev)
     bk = 128 if fmt == "fp8_block" else 64
@@ -184,6 +185,7 @@ def test_tile_variants_agree(cuda_backend, gen, fmt, variant, gemm):
         "split_k": gemm.TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=2, split_k=4),
         "tma": gemm.TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=3, tma=True),
         "small_tiles": gemm.TileConfig(bm=16, bn=32, bk=bk, warps=4, stages=2, group_m=2),
+        "large_m": gemm.TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=3, group_m=16, tma=True),
     }[variant]
     out = gemm.linear(x.to(dev), lw, cfg=cfg, dense_triton=True)
     assert _rel_err(out, ref_gemm.linear(x, lw.to(torch.device("cpu")))) < _tol(dev, fmt)
