@@ -50,6 +50,9 @@ def _triton_device(t: torch.Tensor) -> bool:
 
 
 class CudaFusedOps(FusedOps):
+    def __init__(self):
+        self._cudnn_refused: set = set()  # (dtype, dk, dv) cuDNN's SDPA refused once: not retried
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
         if x.dim() == 0 or x.shape[-1] > NR.MAX_NORM_DIM or not _triton_device(x):
@@ -68,6 +71,19 @@ class CudaFusedOps(FusedOps):
         if validate and x.numel() and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
             raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
         return NR.apply_rope(x, positions, cos_sin_cache, interleaved)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        from deepinfer.backends.cuda_sm100 import prefill_attention as PA
+        from deepinfer.ops.prefill_attention import check_prefill_attention
+
+        check_prefill_attention(q, k, v, scale)
+        key = (q.dtype, k.shape[-1], v.shape[-1])
+        if PA.cudnn_usable(q, k, v) and key not in self._cudnn_refused:
+            try:
+                return PA.split_prefill_attention(q, k, v, scale)
+            except RuntimeError:  # this build's cuDNN does not take the shape: PyTorch's own choice from now on
+                self._cudnn_refused.add(key)
+        return super().prefill_attention(q, k, v, scale)
 
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)

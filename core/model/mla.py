@@ -8,7 +8,7 @@ Long prompt chunks are the exception where the backend offers it (capabilities.d
 query the absorbed form costs (kv_lora_rank + rope) + kv_lora_rank multiply-adds per key and head, the
 decompressed one (nope + rope) + v after rebuilding each key and value once (kv_lora_rank x (nope + v)
 per key and head). Past ~DECOMPRESS_MIN_QUERIES queries per sequence rebuilding wins, and the dense attention
-runs on PyTorch's fused scaled_dot_product_attention (FlashAttention-class on GPUs).
+runs as the backend's ops.prefill_attention (fused SDPA kernels on GPUs).
 """
 
 from __future__ import annotations
@@ -110,22 +110,14 @@ class MLAttention:
     def _decompressed(self, ctx: ForwardContext, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Each sequence's keys and values rebuilt from its cached latents, then causal dense attention of its
         new queries (the last query_len positions) over all of them -> [T, H, v]."""
-        import torch.nn.functional as F
-        from torch.nn.attention.bias import causal_lower_right
-
         plan, h, dtype = ctx.plan, self.num_heads, q_nope.dtype
         out = q_nope.new_empty(q_nope.shape[0], h, self.v_dim)
-        width = self.nope + self.rope  # values are padded to the key width: fused kernels want one head size
         start = 0
         for i, (q_len, s_len) in enumerate(zip(plan.batch.query_lens, plan.batch.seq_lens)):
             c_kv, k_pe = read_cached_sequence(plan, cache, i)
             kv = self.backend.linear(c_kv.to(dtype), self.kv_b).view(s_len, h, self.nope + self.v_dim)
             k = torch.cat([kv[..., : self.nope], k_pe.to(dtype)[:, None, :].expand(s_len, h, self.rope)], dim=-1)
-            v = F.pad(kv[..., self.nope :], (0, width - self.v_dim))
             q = torch.cat([q_nope[start : start + q_len], q_pe[start : start + q_len]], dim=-1)
-            mask = causal_lower_right(q_len, s_len) if q_len < s_len else None
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                               attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
-            out[start : start + q_len] = o[0, :, :, : self.v_dim].transpose(0, 1)
+            out[start : start + q_len] = self.backend.ops.prefill_attention(q, k, kv[..., self.nope :], self.softmax_scale)
             start += q_len
         return out

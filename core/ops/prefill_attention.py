@@ -1,0 +1,40 @@
+"""Dense causal attention of a chunk of new queries over their whole sequence (MLA's decompressed prefill).
+
+q [Lq, H, dk] are the last Lq positions of a sequence whose keys k [Ls, H, dk] and values v [Ls, H, dv]
+are all given (Lq <= Ls): query i sees keys 0 .. Ls - Lq + i (causal, aligned to the lower right). MLA's
+key and value head sizes differ (nope + rope = 192, v = 128).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
+
+
+def check_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=3, shape=[None, q.shape[1], q.shape[2]], dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=3, shape=[k.shape[0], q.shape[1], None], dtypes=(q.dtype,), device=q.device)
+    if q.shape[0] > k.shape[0]:
+        raise InvalidInputError(f"{q.shape[0]} queries cannot be the last positions of a {k.shape[0]}-key sequence")
+    if not (isinstance(scale, float) and scale > 0):
+        raise InvalidInputError(f"scale must be a positive float, got {scale!r}")
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """-> [Lq, H, dv] in q's dtype, through PyTorch's fused SDPA (values padded to the key width where they
+    are narrower: the flash kernels want one head size)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    check_prefill_attention(q, k, v, scale)
+    lq, ls, dk, dv = q.shape[0], k.shape[0], k.shape[-1], v.shape[-1]
+    if lq == 0:
+        return q.new_empty(0, q.shape[1], dv)
+    vp = F.pad(v, (0, dk - dv)) if dv < dk else v
+    mask = dict(attn_mask=causal_lower_right(lq, ls)) if lq < ls else dict(is_causal=True)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], vp.transpose(0, 1)[None],
+                                       scale=scale, **mask)
+    return o[0, :, :, :dv].transpose(0, 1)

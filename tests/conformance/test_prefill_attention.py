@@ -1,0 +1,87 @@
+"""ops.prefill_attention (MLA's decompressed prefill) of every backend against float64 math, and the
+cuda_sm100 split into a square causal block plus a prefix merged by log-sum-exp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backends.cuda_sm100 import prefill_attention as PA
+from deepinfer.errors import InvalidInputError
+from deepinfer.ops import FusedOps
+
+
+def _randn(gen, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def math_attention(q, k, v, scale, with_lse=False, causal_offset=None):
+    """float64 [Lq, H, d] attention; query i sees keys 0 .. causal_offset + i (default Ls - Lq: lower right)."""
+    q, k, v = q.double(), k.double(), v.double()
+    lq, ls = q.shape[0], k.shape[0]
+    off = ls - lq if causal_offset is None else causal_offset
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    visible = torch.arange(ls)[None, :] <= (off + torch.arange(lq))[:, None]
+    s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v)
+    return (out, lse) if with_lse else out
+
+
+def math_attend(q, k, v, causal, scale):
+    """PA.Attend on [1, H, L, d] views with the upper-left causal mask of SDPA's is_causal."""
+    out, lse = math_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), scale, True,
+                              causal_offset=0 if causal else k.shape[2])
+    return out.transpose(0, 1)[None].to(q.dtype), lse.float()[None]
+
+
+SHAPES = [(1, 1), (1, 9), (5, 5), (6, 33), (33, 33), (17, 70)]  # (queries, keys)
+
+
+@pytest.mark.parametrize("lq,ls", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_matches_math(backend, gen, lq, ls, dtype):
+    h, dk, dv = 3, 24, 16
+    q, k = (_randn(gen, n, h, dk, dtype=dtype, device=backend.device) for n in (lq, ls))
+    v = _randn(gen, ls, h, dv, dtype=dtype, device=backend.device)
+    got = backend.ops.prefill_attention(q, k, v, 0.3)
+    assert got.shape == (lq, h, dv) and got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double().cpu(), math_attention(q, k, v, 0.3).cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lq,ls", SHAPES)
+def test_split_and_merge_equals_one_causal_pass(gen, lq, ls):
+    q, k, v = _randn(gen, lq, 2, 8), _randn(gen, ls, 2, 8), _randn(gen, ls, 2, 4)
+    got = PA.split_prefill_attention(q, k, v, 0.5, attend=math_attend)
+    torch.testing.assert_close(got.double(), math_attention(q, k, v, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_rejects_bad_input(backend, gen):
+    dev = backend.device
+    q, k, v = _randn(gen, 4, 2, 8, device=dev), _randn(gen, 3, 2, 8, device=dev), _randn(gen, 3, 2, 4, device=dev)
+    with pytest.raises(InvalidInputError, match="queries"):
+        backend.ops.prefill_attention(q, k, v, 0.5)
+    with pytest.raises(InvalidInputError):
+        backend.ops.prefill_attention(q[:2], k.double(), v, 0.5)
+    with pytest.raises(InvalidInputError, match="scale"):
+        backend.ops.prefill_attention(q[:2], k, v, -1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's SDPA needs a GPU")
+@pytest.mark.parametrize("lq,ls", [(300, 300), (300, 1000), (1, 4097)])
+def test_cuda_prefill_attention_runs_cudnn_at_mla_sizes(gen, lq, ls, monkeypatch):
+    from deepinfer.registry import load_backend
+
+    ops = load_backend("cuda_sm100").ops
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("cuda_sm100 fell back to PyTorch's SDPA choice")
+
+    monkeypatch.setattr(FusedOps, "prefill_attention", fallback)
+    h, dk, dv = 16, 192, 128
+    q, k = (_randn(gen, n, h, dk, dtype=torch.bfloat16, device="cuda") for n in (lq, ls))
+    v = _randn(gen, ls, h, dv, dtype=torch.bfloat16, device="cuda")
+    got = ops.prefill_attention(q, k, v, dk ** -0.5)
+    want = math_attention(q, k, v, dk ** -0.5)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
