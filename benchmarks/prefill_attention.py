@@ -3,7 +3,9 @@
 MLA prefill rebuilds per-head keys (nope 128 + rope 64 = 192) and values (128): the key and value head
 sizes differ. FlashAttention-2 (PyTorch's flash backend) needs one head size, so values get padded to 192;
 cuDNN and the memory-efficient backend take v = 128 directly. This measures each on a chunk of queries at
-the end of a longer sequence (lower-right causal), next to the bf16 matmul rate measured in the same run.
+the end of a longer sequence (lower-right causal), and cuda_sm100's split (the chunk's square causal block
+plus its prefix, both on cuDNN, merged), next to the bf16 matmul rate measured in the same run. "first call"
+is the wall time of a shape's first call: cuDNN builds an execution plan per shape.
 
     python benchmarks/prefill_attention.py [--heads 16] [--chunks 16384x32768,4096x4096]
 """
@@ -12,19 +14,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from deepinfer.backends.cuda_sm100.prefill_attention import split_prefill_attention
 from gpu_timing import ceilings, events_median
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--chunks", default="16384x32768,16384x16384,4096x4096")
+    p.add_argument("--chunks", default="16384x32768,16384x16384,4096x4096,4000x8000,4001x8001")
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     _, _, mm = ceilings()
@@ -40,21 +44,29 @@ def main() -> int:
         visible = q_len * (s_len - q_len) + q_len * (q_len + 1) / 2
         flops = 2 * h * visible * (dk + dv)
         ref = None
+        qs, ks, vs = (t[0].transpose(0, 1) for t in (q, k, v))  # [L, H, d] as the model holds them
+        split = lambda: split_prefill_attention(qs, ks, vs, dk ** -0.5).transpose(0, 1)[None]  # noqa: E731
         for name, backend, vv in (("flash, v padded to 192", SDPBackend.FLASH_ATTENTION, F.pad(v, (0, dk - dv))),
                                   ("cudnn, v 128", SDPBackend.CUDNN_ATTENTION, v),
-                                  ("efficient, v 128", SDPBackend.EFFICIENT_ATTENTION, v)):
+                                  ("efficient, v 128", SDPBackend.EFFICIENT_ATTENTION, v),
+                                  ("cudnn split + merge (ours)", None, v)):
             try:
-                with sdpa_kernel(backend):
-                    fn = lambda: F.scaled_dot_product_attention(q, k, vv, **causal)  # noqa: E731
+                with sdpa_kernel(backend or SDPBackend.CUDNN_ATTENTION):
+                    fn = split if backend is None else \
+                        (lambda: F.scaled_dot_product_attention(q, k, vv, scale=dk ** -0.5, **causal))  # noqa: E731
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
                     out = fn()[..., :dv].float()
+                    torch.cuda.synchronize()
+                    cold = (time.perf_counter() - t0) * 1e3
                     ms = events_median(fn, args.reps)
                 err = 0.0 if ref is None else ((out - ref).abs().max() / ref.abs().max()).item()
                 ref = out if ref is None else ref
                 tf = flops / (ms * 1e-3) / 1e12
-                print(f"  {q_len}x{s_len} h{h} {name:24s} {ms:8.3f} ms {tf:6.0f} TFLOPS ({tf / mm:.2f} of matmul) "
-                      f"err {err:.1e}", flush=True)
+                print(f"  {q_len}x{s_len} h{h} {name:26s} {ms:8.3f} ms {tf:6.0f} TFLOPS ({tf / mm:.2f} of matmul) "
+                      f"err {err:.1e}; first call {cold:.1f} ms", flush=True)
             except RuntimeError as exc:
-                print(f"  {q_len}x{s_len} h{h} {name:24s} unavailable: {str(exc).splitlines()[0][:150]}")
+                print(f"  {q_len}x{s_len} h{h} {name:26s} unavailable: {str(exc).splitlines()[0][:150]}")
     return 0
 
 

@@ -81,9 +81,15 @@ class CudaFusedOps(FusedOps):
         if PA.cudnn_usable(q, k, v) and key not in self._cudnn_refused:
             try:
                 return PA.split_prefill_attention(q, k, v, scale)
-            except RuntimeError:  # this build's cuDNN does not take the shape: PyTorch's own choice from now on
+            except RuntimeError:  # this build's cuDNN does not take the shape: not tried again
                 self._cudnn_refused.add(key)
-        return super().prefill_attention(q, k, v, scale)
+        if q.device.type != "cuda":
+            return super().prefill_attention(q, k, v, scale)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        # Off cuDNN: PyTorch would pick it for square causal chunks and build a plan per new shape.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return super().prefill_attention(q, k, v, scale)
 
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)

@@ -50,11 +50,20 @@ def test_prefill_attention_matches_math(backend, gen, lq, ls, dtype):
     torch.testing.assert_close(got.double().cpu(), math_attention(q, k, v, 0.3).cpu(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("lq,ls", SHAPES)
-def test_split_and_merge_equals_one_causal_pass(gen, lq, ls):
+@pytest.mark.parametrize("lq,ls", SHAPES + [(300, 300), (300, 1000), (257, 1300)])
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_split_and_merge_equals_one_causal_pass(gen, lq, ls, bucketed):
+    """The square causal block (with dummy leading queries and zero padding when bucketed) plus the prefix,
+    merged, is lower-right causal attention."""
     q, k, v = _randn(gen, lq, 2, 8), _randn(gen, ls, 2, 8), _randn(gen, ls, 2, 4)
-    got = PA.split_prefill_attention(q, k, v, 0.5, attend=math_attend)
+    got = PA.split_prefill_attention(q, k, v, 0.5, attend=math_attend, bucketed=bucketed)
     torch.testing.assert_close(got.double(), math_attention(q, k, v, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_buckets_bound_padding():
+    for n in (1, 255, 256, 257, 1000, 2048, 2049, 16384, 16385, 100_000):
+        b = PA.bucket(n)
+        assert b >= 256 and -(-n // b) * b - n < max(256, n / 8 + 1)
 
 
 def test_prefill_attention_rejects_bad_input(backend, gen):
@@ -69,7 +78,7 @@ def test_prefill_attention_rejects_bad_input(backend, gen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's SDPA needs a GPU")
-@pytest.mark.parametrize("lq,ls", [(300, 300), (300, 1000), (1, 4097)])
+@pytest.mark.parametrize("lq,ls", [(2048, 2048), (2100, 5000), (3000, 3001)])
 def test_cuda_prefill_attention_runs_cudnn_at_mla_sizes(gen, lq, ls, monkeypatch):
     from deepinfer.registry import load_backend
 
