@@ -123,6 +123,8 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Free-or-evictable blocks allocate(seq, num_tokens) would consume (cache hits that are evictable
         count: taking them removes them from the evictable pool)."""
+        if seq.block_table:  # holding blocks: not an admission, so no prefix-cache lookup (the hot case)
+            return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
         hits = self._match_seq(seq)
         new = max(0, self.blocks_for_tokens(num_tokens) - len(seq.block_table) - len(hits))
         return new + sum(1 for b in hits if self._ref_counts[b] == 0)
@@ -153,6 +155,16 @@ class BlockManager:
         first takes prefix-cache hits and sets seq.num_computed_tokens to the tokens they cover.
         Returns that number (0 when not admitting). Raises OutOfBlocksError, changing nothing, when
         blocks_needed(seq, num_tokens) exceeds num_free_blocks."""
+        table = seq.block_table
+        if table and self._holders.get(seq.seq_id) is seq:
+            # Growing a running sequence (every decode step): no hits to take, only new blocks at the end.
+            missing = cdiv(num_tokens, self.block_size) - len(table)
+            if missing > self.num_free_blocks:
+                raise OutOfBlocksError(f"sequence {seq.seq_id!r} needs {missing} blocks for {num_tokens} tokens, "
+                                       f"{self.num_free_blocks} are free")
+            for _ in range(missing):
+                table.append(self._take_block())
+            return 0
         self._check_holder(seq)
         admitting = not seq.block_table and seq.num_computed_tokens == 0
         hits = self._match_seq(seq)
@@ -190,6 +202,10 @@ class BlockManager:
             return
         bs = self.block_size
         start, end = self._num_registered[seq.seq_id], num_computed_tokens // bs
+        if end <= start:
+            # No block filled since the last call (most decode steps). Registered blocks always have their
+            # hashes (admission and fork hand them over with the blocks), so the loops below would do nothing.
+            return
         hashes = seq.block_hashes
         while len(hashes) < end:
             i = len(hashes)

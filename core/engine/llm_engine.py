@@ -103,6 +103,7 @@ class LLMEngine:
         self._requests: dict[str, EngineRequest] = {}
         self._seq_owner: dict[str, tuple[EngineRequest, int]] = {}
         self._generated_tokens = 0
+        self._eos = frozenset(self.config.eos_token_ids)  # the config is frozen; checked for every token
         # Expert parallelism (deepinfer.engine.expert_parallel) sets this hook: a rank that schedules nothing
         # in a step must still enter the step's MoE collectives, with a forward of no tokens.
         self.idle_forward: Callable[[], None] | None = None
@@ -297,10 +298,12 @@ class LLMEngine:
             self._append(req, child, token, logits[row_index])
         for seq_id, tokens in sampled.items():
             req, index = self._seq_owner[seq_id]
+            comp = req.completions[index]
             for i, token in enumerate(tokens):  # several when drafts were accepted; none after a stop
-                if req.completions[index].finish_reason is not None:
+                if comp.finish_reason is not None:
                     break
-                self._append(req, index, token, logits[sample_row[seq_id] + i])
+                # The logit row only where logprobs are wanted: a tensor view per token costs microseconds.
+                self._append(req, index, token, None if comp.logprobs is None else logits[sample_row[seq_id] + i])
             touched[req.request_id] = req
         if self.speculator:
             self._observe(plan, layout, step_out)
@@ -339,7 +342,9 @@ class LLMEngine:
         tokens = torch.empty(0, dtype=torch.int64, device=device)
         extras, wanted = (), tuple(j for j, (r, _, _) in enumerate(draws) if r.params.logprobs is not None)
         if draws:
-            raw = step_out.logits.index_select(0, to_device(rows, torch.int64, device))
+            raw = step_out.logits
+            if len(rows) != raw.shape[0] or rows != list(range(len(rows))):  # a decode step samples every row
+                raw = raw.index_select(0, to_device(rows, torch.int64, device))
             logits = self._penalize_deferred(raw.float(), draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
                                         [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
@@ -352,6 +357,8 @@ class LLMEngine:
     def _penalize_deferred(self, logits: torch.Tensor, draws: list, pending: InFlightStep | None) -> torch.Tensor:
         """Penalties and min_tokens suppression for a deferred step, whose sequences may end with a token of
         the step in flight: counted from the device."""
+        if not any(r.params.min_tokens or needs_row_processing(r.params) for r, _, _ in draws):
+            return logits  # nothing to penalise or suppress (the usual case): skip the per-row lists
         outputs, pend = [], []
         for req, index, seq in draws:
             outputs.append(req.completions[index].token_ids)
@@ -368,7 +375,8 @@ class LLMEngine:
 
     def _commit(self, launched: InFlightStep) -> None:
         """Advance the scheduler past a launched step, its sampled tokens still pending."""
-        live = {seq.seq_id: [PENDING_TOKEN] for _, _, seq in launched.draws if self.scheduler.get(seq.seq_id) is seq}
+        pending, get = [PENDING_TOKEN], self.scheduler.get  # one list for all: update() only reads it
+        live = {seq.seq_id: pending for _, _, seq in launched.draws if get(seq.seq_id) is seq}
         self.scheduler.update(launched.plan, live)
         self._inflight = launched
 
@@ -379,11 +387,14 @@ class LLMEngine:
         touched: dict[str, EngineRequest] = {}
         tokens, *stats = pending.wait()
         stats_of = {j: [column[n] for column in stats] for n, j in enumerate(pending.logprob_rows)}
+        owner, get = self._seq_owner.get, self.scheduler.get
         for j, ((req, index, seq), token) in enumerate(zip(pending.draws, tokens)):
-            if self._seq_owner.get(seq.seq_id) != (req, index) or self.scheduler.get(seq.seq_id) is not seq:
+            seq_id = seq.seq_id
+            held = owner(seq_id)
+            if held is None or held[0] is not req or held[1] != index or get(seq_id) is not seq:
                 continue  # aborted, or stopped by an earlier token: this row was computed for nothing
             seq.resolve_pending(token)
-            lps = assemble_logprobs(token, *stats_of[j], req.params.logprobs) if j in stats_of else None
+            lps = assemble_logprobs(token, *stats_of[j], req.params.logprobs) if stats_of and j in stats_of else None
             self._append(req, index, token, None, lps)
             touched[req.request_id] = req
         return self._finish_outputs(touched)
@@ -407,23 +418,27 @@ class LLMEngine:
         their input is then named by pending_input(row) and read on the device."""
         query_lens, seq_lens, tables, input_ids, rows, prompt_rows, sample_rows = [], [], [], [], [], [], []
         offsets = []
+        owner, drafts = self._seq_owner, drafts or {}
         for item in plan.scheduled:
             seq, start = item.seq, item.start
             end = start + item.num_new_tokens
             offset = len(input_ids)
             offsets.append(offset)
-            input_ids += seq.get_token_ids(start, end)
-            if end == seq.num_tokens and seq.has_pending_token:
+            if end == start + 1:  # one token (decodes): no slice to build
+                input_ids.append(seq.get_token_id(start))
+            else:
+                input_ids += seq.get_token_ids(start, end)
+            if input_ids[-1] == PENDING_TOKEN and end == seq.num_tokens:
                 if pending is None or seq.seq_id not in pending.row_of:
                     raise EngineStateError(f"{seq.seq_id!r} ends with a pending token that no step in flight sampled")
                 input_ids[-1] = pending_input(pending.row_of[seq.seq_id])
-            draft = (drafts or {}).get(seq.seq_id)
-            extra = draft.proposal.tokens if draft is not None else []
+            draft = drafts.get(seq.seq_id) if drafts else None
+            extra = draft.proposal.tokens if draft is not None else ()
             input_ids += extra  # verified in the same forward, in the lookahead slots
             query_lens.append(item.num_new_tokens + len(extra))
             seq_lens.append(end + len(extra))
             tables.append(tuple(seq.block_table))
-            req, index = self._seq_owner[seq.seq_id]
+            req, index = owner[seq.seq_id]
             if index == 0 and req.prompt_logprobs is not None:
                 # The row of position p scores prompt token p + 1. Positions already recorded (seen again when a
                 # preempted request is recomputed) are skipped.
@@ -432,7 +447,11 @@ class LLMEngine:
                     rows.append(offset + p - start)
             if item.sample:
                 sample_rows.append((len(rows), item))
-                rows.extend(offset + item.num_new_tokens - 1 + i for i in range(1 + len(extra)))
+                last = offset + item.num_new_tokens - 1
+                if extra:
+                    rows.extend(range(last, last + 1 + len(extra)))
+                else:
+                    rows.append(last)
         batch = AttentionBatch(tuple(query_lens), tuple(seq_lens), tuple(tables))
         return _StepLayout(batch, input_ids, rows, prompt_rows, sample_rows, offsets)
 
@@ -490,7 +509,7 @@ class LLMEngine:
         batched: list[int] = []
         for i, (req, index, seq, row_index) in enumerate(draws):
             output = req.completions[index].token_ids
-            suppressed = self._suppressed(req, len(output))
+            suppressed = self._suppressed(req, len(output)) if req.params.min_tokens else ()
             if needs_row_processing(req.params) or suppressed:
                 tokens[i] = sample_token(logits[row_index], req.params, completion_seed(req.seed, index), seq.num_tokens,
                                          req.prompt_ids, output, suppressed)
@@ -517,11 +536,11 @@ class LLMEngine:
                 logprobs = position_logprobs(row.log_softmax(-1), token, params.logprobs)
             comp.logprobs.append(logprobs)
         status = None
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif not params.ignore_eos and token in self.config.eos_token_ids:
+        elif not params.ignore_eos and token in self._eos:
             status = SequenceStatus.FINISHED_STOPPED
-        elif checker.add(token) is not None:
+        elif checker.decodes and checker.add(token) is not None:
             status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, checker.matched
         elif len(req.prompt_ids) + len(comp.token_ids) >= self._max_len(len(req.prompt_ids), params):
             status = SequenceStatus.FINISHED_LENGTH
@@ -529,8 +548,9 @@ class LLMEngine:
             checker.finish()
             comp.finish_reason = FINISH_REASON[status]
             self.scheduler.finish(req.seq_ids[index], status)
-        comp.delta_text += checker.take_delta(final=status is not None)
-        comp.text = checker.visible
+        if checker.decodes:  # without a detokenizer the text stays ""
+            comp.delta_text += checker.take_delta(final=status is not None)
+            comp.text = checker.visible
 
     def _fork(self, req: EngineRequest, index: int, token: int) -> None:
         """Completion `index` shares the parent's prompt blocks and starts from its own first token."""

@@ -37,7 +37,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one list shared by all outputs of a request (not the engine's own copy)
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool = False

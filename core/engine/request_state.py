@@ -31,6 +31,9 @@ class EngineRequest:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
+        # What every RequestOutput of this request carries as prompt_token_ids: one copy, shared by them (as in
+        # vLLM), instead of a copy of the whole prompt per request per step; the engine reads prompt_ids only.
+        self._prompt_out = list(prompt_ids)
         self.params = params
         self.seed = seed
         self.seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
@@ -54,14 +57,16 @@ class EngineRequest:
         return all(c.finish_reason is not None for c in self.completions)
 
     def snapshot(self) -> RequestOutput:
+        """This request's output so far: cumulative fields copied (later steps do not change it), deltas
+        handed over and reset."""
         outs = []
+        finished = True
         for c in self.completions:
             outs.append(CompletionOutput(
-                index=c.index, token_ids=list(c.token_ids), text=c.text,
-                logprobs=None if c.logprobs is None else list(c.logprobs),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                delta_token_ids=c.delta_token_ids, delta_text=c.delta_text,
+                c.index, c.token_ids[:], c.text, None if c.logprobs is None else c.logprobs[:],
+                c.finish_reason, c.stop_reason, c.delta_token_ids, c.delta_text,
             ))
             c.delta_token_ids, c.delta_text = [], ""
+            finished = finished and c.finish_reason is not None
         plp = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), plp, outs, self.finished)
+        return RequestOutput(self.request_id, self.prompt, self._prompt_out, plp, outs, finished)

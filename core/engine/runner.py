@@ -69,5 +69,9 @@ class ModelRunner:
             hidden, captured = self.model.forward_capture(ids, ctx, capture_layers)
         else:
             hidden = self.model.forward(ids, ctx)
-        rows = to_device(logit_rows, torch.int64, device)
-        return StepOutput(hidden, self.model.compute_logits(hidden.index_select(0, rows)), tuple(captured))
+        if (len(logit_rows) == hidden.shape[0] and hidden.is_contiguous()
+                and logit_rows == list(range(len(logit_rows)))):
+            hidden_rows = hidden  # every row in order (a decode step): the gather would copy it unchanged
+        else:
+            hidden_rows = hidden.index_select(0, to_device(logit_rows, torch.int64, device))
+        return StepOutput(hidden, self.model.compute_logits(hidden_rows), tuple(captured))

@@ -244,8 +244,14 @@ class Scheduler:
         scheduled: dict[str, ScheduledSequence] = {}
         preempted: list[str] = []
 
-        decodes = [s for s in self._running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self._running if s.num_tokens - s.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for s in self._running:
+            remaining = s.num_tokens - s.num_computed_tokens
+            if remaining == 1:
+                decodes.append(s)
+            elif remaining > 1:
+                prefills.append(s)
+        bs = cfg.block_size
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -258,20 +264,22 @@ class Scheduler:
             if num_new == 0:
                 continue
             num_slots, lookahead = self._slots(seq, start, num_new)
-            while bm.blocks_needed(seq, num_slots) > bm.num_free_blocks:
-                victim = self._running[-1]  # the youngest: possibly seq itself, never an older one
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-                undone = scheduled.pop(victim.seq_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            bm.allocate(seq, num_slots)
-            if seq.num_computed_tokens != start:
-                raise EngineStateError(f"prefix-cache hits for {seq.seq_id!r} changed while scheduling")
+            # Most decode steps write into the sequence's last block: nothing to allocate, nobody to preempt.
+            if not seq.block_table or num_slots > len(seq.block_table) * bs:
+                while bm.blocks_needed(seq, num_slots) > bm.num_free_blocks:
+                    victim = self._running[-1]  # the youngest: possibly seq itself, never an older one
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                    undone = scheduled.pop(victim.seq_id, None)
+                    if undone is not None:
+                        budget += undone.num_new_tokens
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                bm.allocate(seq, num_slots)
+                if seq.num_computed_tokens != start:
+                    raise EngineStateError(f"prefix-cache hits for {seq.seq_id!r} changed while scheduling")
             scheduled[seq.seq_id] = ScheduledSequence(
                 seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens, lookahead)
             budget -= num_new
@@ -308,36 +316,42 @@ class Scheduler:
         Speculative decoding: `num_accepted_computed[seq_id]` counts leading appended tokens (accepted drafts)
         whose KV the step already wrote in lookahead slots; they count as computed too."""
         accepted = num_accepted_computed or {}
-        by_id = {e.seq_id: e for e in output.scheduled}
-        unknown = (set(sampled) | set(accepted)) - set(by_id)
-        if unknown:
+        ids = {e.seq.seq_id for e in output.scheduled}
+        if not ids.issuperset(sampled) or not ids.issuperset(accepted):
+            unknown = (set(sampled) | set(accepted)) - ids
             raise EngineStateError(f"update: results for sequences not scheduled in this output: {sorted(unknown)}")
         applied = []  # validate every entry before changing anything, so an engine bug leaves no half-update
+        seqs, running = self._seqs, SequenceStatus.RUNNING
         for entry in output.scheduled:
             seq = entry.seq
-            if self._seqs.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
+            seq_id = seq.seq_id
+            if seqs.get(seq_id) is not seq or seq.status is not running:
                 continue
             if seq.num_computed_tokens != entry.start:
-                raise EngineStateError(f"update: stale output for {seq.seq_id!r} (scheduled at {entry.start}, "
+                raise EngineStateError(f"update: stale output for {seq_id!r} (scheduled at {entry.start}, "
                                        f"now {seq.num_computed_tokens} computed); was it applied twice?")
-            new_tokens = list(sampled.get(seq.seq_id) or ())
-            extra = accepted.get(seq.seq_id, 0)
+            new_tokens = sampled.get(seq_id) or ()
+            if type(new_tokens) is not list:
+                new_tokens = list(new_tokens)
+            extra = accepted.get(seq_id, 0) if accepted else 0
             if entry.sample and not new_tokens:
                 raise EngineStateError(f"update: {seq.seq_id!r} was due a sampled token and got none")
             if not entry.sample and (new_tokens or extra):
                 raise EngineStateError(f"update: {seq.seq_id!r} is mid-prefill and cannot take sampled tokens")
-            if extra < 0 or extra > min(entry.num_lookahead_slots, max(0, len(new_tokens) - 1)):
+            if extra and (extra < 0 or extra > min(entry.num_lookahead_slots, max(0, len(new_tokens) - 1))):
                 raise EngineStateError(f"update: {seq.seq_id!r}: {extra} accepted tokens computed, but only "
                                        f"{entry.num_lookahead_slots} lookahead slots and {len(new_tokens)} tokens")
             if seq.num_tokens + len(new_tokens) > seq.max_len:
                 raise EngineStateError(f"update: {seq.seq_id!r} would exceed max_len {seq.max_len}; the engine "
                                        f"must stop it (or truncate speculative tokens) first")
             applied.append((entry, new_tokens, extra))
+        mark_computed = self.block_manager.mark_computed
         for entry, new_tokens, extra in applied:
-            seq = entry.seq
-            self.num_prompt_tokens_computed += max(0, min(entry.seq_len, seq.num_prompt_tokens) - entry.start)
+            seq, start = entry.seq, entry.start
+            if start < seq.num_prompt_tokens:  # decodes (start past the prompt) add nothing
+                self.num_prompt_tokens_computed += min(start + entry.num_new_tokens, seq.num_prompt_tokens) - start
             seq.num_computed_tokens += entry.num_new_tokens + extra
             if new_tokens:
                 seq.append_token_ids(new_tokens)
                 self.num_generation_tokens += len(new_tokens)
-            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+            mark_computed(seq, seq.num_computed_tokens)

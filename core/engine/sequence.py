@@ -109,6 +109,10 @@ class Sequence:
         """all_token_ids[start:end] without copying the whole sequence."""
         return self._token_ids[start:end]
 
+    def get_token_id(self, index: int) -> int:
+        """all_token_ids[index]."""
+        return self._token_ids[index]
+
     @property
     def last_token_id(self) -> int:
         return self._token_ids[-1]
@@ -127,9 +131,17 @@ class Sequence:
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append sampled tokens, or a single PENDING_TOKEN whose value resolve_pending() gives later."""
-        if self._token_ids[-1] == PENDING_TOKEN:
+        tokens = self._token_ids
+        if tokens[-1] == PENDING_TOKEN:
             raise EngineStateError(f"sequence {self.seq_id!r}: its last token is still pending")
-        self._token_ids.extend(_token_list(token_ids, "sampled token ids", allow_pending=True))
+        # One token per decode step is the hot case (every running sequence, every step): checked inline
+        # instead of through _token_list's comprehension and min/max.
+        if type(token_ids) is list and len(token_ids) == 1:
+            token = token_ids[0]
+            if type(token) is int and (0 <= token <= _MAX_TOKEN_ID or token == PENDING_TOKEN):
+                tokens.append(token)
+                return
+        tokens.extend(_token_list(token_ids, "sampled token ids", allow_pending=True))
 
     @property
     def has_pending_token(self) -> bool:
@@ -139,7 +151,9 @@ class Sequence:
         """Replace the pending last token by its sampled value."""
         if self._token_ids[-1] != PENDING_TOKEN:
             raise EngineStateError(f"sequence {self.seq_id!r} has no pending token to resolve")
-        self._token_ids[-1] = _token_list([token], "sampled token ids")[0]
+        if type(token) is not int or not 0 <= token <= _MAX_TOKEN_ID:
+            token = _token_list([token], "sampled token ids")[0]
+        self._token_ids[-1] = token
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens} "

@@ -12,6 +12,9 @@ from deepinfer.text.detokenizer import IncrementalDetokenizer
 class StopStringChecker:
     def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: list[str]):
         self._detok = detokenizer
+        # Without a detokenizer there is no text: add() never matches and the text stays "", so the engine
+        # skips the checker per token.
+        self.decodes = detokenizer is not None
         self._stop = stop
         self._longest = max((len(s) for s in stop), default=0)
         self.text = ""  # everything decoded so far, cut at a matched stop string

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deepinfer.engine.block_manager import BlockManager, OutOfBlocksError
-from deepinfer.engine.sequence import EngineStateError, Sequence, SequenceStatus
+from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
 from deepinfer.errors import InvalidInputError
 
 BS = 4
@@ -329,6 +329,34 @@ def test_out_of_blocks_changes_nothing_and_double_free_is_a_no_op():
         bm.free(_impostor(b))
 
 
+def test_growing_a_running_sequence():
+    """The decode fast path of allocate() and mark_computed(): growth only at block boundaries, running
+    out of blocks changes nothing, an impostor cannot grow the holder's table, and a block registers in
+    the prefix cache on the step that fills it."""
+    bm = BlockManager(3, BS)
+    a = new_seq("a", [1, 2, 3])
+    bm.allocate(a, 4)
+    a.num_computed_tokens = 3
+    bm.mark_computed(a, 3)
+    assert bm.num_cached_blocks == 0
+    a.append_token_ids([4])
+    assert bm.blocks_needed(a, 5) == 1 and bm.allocate(a, 4) == 0 and len(a.block_table) == 1
+    a.num_computed_tokens = 4
+    bm.mark_computed(a, 4)  # the first block is full: registered
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == (a.block_table[:1], 4)
+    with pytest.raises(EngineStateError):
+        bm.allocate(_impostor(a), 5)
+    assert bm.allocate(a, 12) == 0 and len(a.block_table) == 3 and bm.num_free_blocks == 0
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate(a, 13)
+    assert len(a.block_table) == 3 and bm.num_free_blocks == 0
+    bm.mark_computed(a, 4)  # nothing newly full: a no-op
+    assert bm.num_cached_blocks == 1
+    with pytest.raises(EngineStateError):
+        bm.mark_computed(a, 5)  # more computed tokens than the sequence has
+    bm.check_invariants()
+
+
 def _impostor(seq: Sequence) -> Sequence:
     other = new_seq(seq.seq_id, list(seq.all_token_ids))
     other.block_table = list(seq.block_table)
@@ -353,6 +381,22 @@ def test_sequence_rejects_bad_tokens():
         Sequence("a", [1, "x"], 4)
     seq = Sequence("a", [1, 2], 4)
     assert seq.status is SequenceStatus.WAITING and not seq.status.is_finished
+    # One sampled token at a time (the decode fast path) is checked like a list of them.
+    for bad in ([-2], [2**63], ["x"], [1.0]):
+        with pytest.raises(InvalidInputError):
+            seq.append_token_ids(bad)
+    seq.append_token_ids([True])  # an index, like any int
+    assert seq.all_token_ids == (1, 2, 1) and seq.get_token_id(-1) == 1
+    seq.append_token_ids([PENDING_TOKEN])
+    with pytest.raises(EngineStateError):
+        seq.append_token_ids([5])  # the pending token must be resolved first
+    for bad in (-1, -2, 2**63, "x"):
+        with pytest.raises(InvalidInputError):
+            seq.resolve_pending(bad)
+    seq.resolve_pending(7)
+    assert seq.all_token_ids == (1, 2, 1, 7) and not seq.has_pending_token
+    with pytest.raises(EngineStateError):
+        seq.resolve_pending(8)
     assert SequenceStatus.FINISHED_ABORTED.is_finished
 
 

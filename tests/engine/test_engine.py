@@ -242,3 +242,27 @@ def test_overlapped_scheduling_changes_nothing_but_timing(checkpoint):
                 for pa, pb in zip(a.logprobs, b.logprobs):
                     for tok, lp in pa.items():
                         assert lp.rank == pb[tok].rank and abs(lp.logprob - pb[tok].logprob) < 1e-5, rid
+
+
+def test_outputs_are_snapshots(checkpoint):
+    """Each step's RequestOutput keeps the tokens it had (later steps append to the engine's lists, not to
+    it), and a consumer changing its output's lists (prompt_token_ids is one list shared by a request's
+    outputs) changes nothing the engine computes."""
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    clean = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    clean.add_request("a", prompt, params)
+    expected = run_all(clean)["a"].outputs[0].token_ids
+
+    engine = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    engine.add_request("a", list(prompt), params)
+    seen = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.append((out, list(out.outputs[0].token_ids), list(out.outputs[0].delta_token_ids)))
+            out.prompt_token_ids.append(0)  # a consumer scribbling on its output
+            out.outputs[0].token_ids.append(0)
+    assert seen[-1][1] == expected
+    for out, tokens, delta in seen:
+        assert out.outputs[0].token_ids == tokens + [0] and out.outputs[0].delta_token_ids == delta
+    assert sum((delta for _, _, delta in seen), []) == expected
