@@ -359,13 +359,16 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
     common = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
               plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0))
     interp = dev.type == "cpu"
+    # Float32 queries (a float32 model) get float32 attention: no bf16 rounding of q and P, IEEE MMAs (slow,
+    # for exactness: the GPU's greedy tokens then match the reference's up to summation order).
+    f32 = q_nope.dtype == torch.float32
     tail = (out, lse, out.stride(0), out.stride(1), po, plse, heads, qk_scale)
     for items, qmax, span in ((plan.dec_items, plan.dec_max_qlen, plan.dec_max_span),
                               (plan.pre_items, plan.pre_max_qlen, plan.pre_max_span)):
         if items.shape[0] == 0:
             continue
         rows = qmax * heads
-        cfg = attn_config(rows, spec, interp, plan.batch_invariant)
+        cfg = attn_config(rows, spec, interp, plan.batch_invariant, f32)
         grid = (items.shape[0], cdiv(rows, cfg["BM"]))
         # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
         aligned = lambda bn: spec.block_size % bn == 0 and plan.split_tokens % bn == 0  # noqa: E731
@@ -375,7 +378,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         fold_ok = lambda bm: interp and bm != 64  # noqa: E731
         _launch(K.mla_attn_kernel, grid, (*common, items, *tail),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
-                     DOT_T=K.DOT_INTERP if interp else K.DOT_GPU), cfg, aligned, fold_ok)
+                     DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok)
     if plan.num_slots:
         # The interpreter pays per program, so there one program takes all heads and columns of a token.
         hb = _pow2(heads) if interp else 1
@@ -420,11 +423,14 @@ _GPU_CONFIGS = {
 for _bm in (16, 32, 64):
     for _fp8 in (False, True):
         _GPU_CONFIGS[("small", _bm, _fp8)] = [(_bm, 64, 4, 2), (_bm, 32, 4, 1)]
+for _fp8 in (False, True):  # float32 attention (IEEE MMAs run on the FMA units): 16-row tiles, short key tiles
+    _GPU_CONFIGS[("f32-big", 16, _fp8)] = [(16, 16, 4, 1), (16, 16, 4, 2)]  # rank 512: fewest spills
+    _GPU_CONFIGS[("f32-small", 16, _fp8)] = [(16, 32, 4, 2), (16, 16, 4, 1)]
 _CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
 _chosen: dict = {}
 
 
-def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool) -> dict:
+def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False) -> dict:
     if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
         bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, _pow2(rows))  # 64: the GPU's wgmma tile
         # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
@@ -438,9 +444,13 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
         if len(v) > 5:
             cfg["CVT"] = v[5]
         return cfg
+    size = "big" if spec.kv_lora_rank > 128 else "small"
+    if f32:
+        key = (f"f32-{size}", 16, spec.is_fp8)
+        return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
     # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
     bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
-    key = ("big" if spec.kv_lora_rank > 128 else "small", bm, spec.is_fp8)
+    key = (size, bm, spec.is_fp8)
     return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
 
 

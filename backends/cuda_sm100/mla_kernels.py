@@ -149,7 +149,8 @@ def _load_fp8_tile(lat_ptr, scl_ptr, rope_ptr, row, srow, rrow, nmask, R: tl.con
 
 
 @triton.jit
-def fp8_operand(k8, scale, FOLD: tl.constexpr, CVT: tl.constexpr, DOT_T: tl.constexpr, INTERP: tl.constexpr):
+def fp8_operand(k8, scale, FOLD: tl.constexpr, CVT: tl.constexpr, DOT_T: tl.constexpr, INTERP: tl.constexpr,
+                F32: tl.constexpr = False):
     """E4M3 tile -> bf16 MMA operand (times the token's scale unless FOLD). CVT 0: the cvt chain (e4m3x2 ->
     f16x2 -> f32 -> bf16). CVT 1: bit placement, ((b & 0x7f) << 4) | ((b & 0x80) << 8) is exactly the E4M3
     value times 2^-120 as bf16 (subnormals included), then x 2^120 (LLVM makes it one mul.bf16x2): integer
@@ -165,7 +166,7 @@ def fp8_operand(k8, scale, FOLD: tl.constexpr, CVT: tl.constexpr, DOT_T: tl.cons
         x = k8.to(tl.float32)
     if not FOLD:
         x = x * scale[:, None]
-    return x.to(tl.bfloat16).to(DOT_T)
+    return _operand(x, DOT_T, F32)
 
 
 @triton.jit
@@ -178,10 +179,29 @@ def fp8_operand_kernel(x_ptr, s_ptr, o_ptr, N: tl.constexpr, CVT: tl.constexpr, 
 
 
 @triton.jit
-def _load_q(q_ptr, qrow, rmask, c: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, DOT_T: tl.constexpr):
+def _operand(x, DOT_T: tl.constexpr, F32: tl.constexpr):
+    """An MMA operand: rounded to bf16 as FlashMLA does, or kept float32 (F32: exact float32 attention)."""
+    if F32:
+        return x.to(tl.float32)
+    else:
+        return x.to(tl.bfloat16).to(DOT_T)
+
+
+@triton.jit
+def _mma(a, b, acc, F32: tl.constexpr):
+    """a @ b (+ acc) on the tensor cores, or in true float32 (F32: no TF32 rounding of the operands)."""
+    if F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_q(q_ptr, qrow, rmask, c: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, DOT_T: tl.constexpr,
+            F32: tl.constexpr):
     cols = c * CH + tl.arange(0, CH)
     q = tl.load(q_ptr + qrow[:, None] + cols[None, :], mask=rmask[:, None] & (cols < R)[None, :], other=0.0)
-    return q.to(tl.bfloat16).to(DOT_T)
+    return _operand(q, DOT_T, F32)
 
 
 @triton.jit
@@ -201,7 +221,7 @@ def mla_attn_kernel(
     H, qk_scale,
     R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, MAX_SPAN: tl.constexpr,
-    DOT_T: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr, CVT: tl.constexpr,
+    DOT_T: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr, CVT: tl.constexpr, F32: tl.constexpr,
 ):
     """One program = one work item (a sequence's KV range [kv_lo, kv_hi)) x one tile of BM query rows.
 
@@ -228,16 +248,17 @@ def mla_attn_kernel(
     tok = (tok0 + j).to(tl.int64)
 
     qrow = tok * q_st + h * q_sh
-    q0 = _load_q(q_ptr, qrow, rmask, 0, R, CH, DOT_T)
+    q0 = _load_q(q_ptr, qrow, rmask, 0, R, CH, DOT_T, F32)
     if NC > 1:
-        q1 = _load_q(q_ptr, qrow, rmask, 1, R, CH, DOT_T)
+        q1 = _load_q(q_ptr, qrow, rmask, 1, R, CH, DOT_T, F32)
     if NC > 2:
-        q2 = _load_q(q_ptr, qrow, rmask, 2, R, CH, DOT_T)
+        q2 = _load_q(q_ptr, qrow, rmask, 2, R, CH, DOT_T, F32)
     if NC > 3:
-        q3 = _load_q(q_ptr, qrow, rmask, 3, R, CH, DOT_T)
+        q3 = _load_q(q_ptr, qrow, rmask, 3, R, CH, DOT_T, F32)
     pc = tl.arange(0, PP)
     qpe = tl.load(qpe_ptr + (tok * qpe_st + h * qpe_sh)[:, None] + pc[None, :],
-                  mask=rmask[:, None] & (pc < P)[None, :], other=0.0).to(tl.bfloat16).to(DOT_T)
+                  mask=rmask[:, None] & (pc < P)[None, :], other=0.0)
+    qpe = _operand(qpe, DOT_T, F32)
 
     # Running max starts finite so fully masked rows give p = 0 and alpha = 1 instead of NaN.
     m_i = tl.full([BM], -1.0e30, tl.float32)
@@ -274,52 +295,52 @@ def mla_attn_kernel(
                 nxt = _load_fp8_tile(*tile_args, nrow, nsrow, nrrow, nm, R, P, CH, NC, PP)
             else:  # chunk by chunk: each chunk's bytes are dead once converted
                 n0, sc0 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 0, R, CH)
-            k0 = fp8_operand(n0, sc0, FOLD, CVT, DOT_T, INTERP)
+            k0 = fp8_operand(n0, sc0, FOLD, CVT, DOT_T, INTERP, F32)
             if NC > 1:
                 if not PREFETCH:
                     n1, sc1 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 1, R, CH)
-                k1 = fp8_operand(n1, sc1, FOLD, CVT, DOT_T, INTERP)
+                k1 = fp8_operand(n1, sc1, FOLD, CVT, DOT_T, INTERP, F32)
             if NC > 2:
                 if not PREFETCH:
                     n2, sc2 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 2, R, CH)
-                k2 = fp8_operand(n2, sc2, FOLD, CVT, DOT_T, INTERP)
+                k2 = fp8_operand(n2, sc2, FOLD, CVT, DOT_T, INTERP, F32)
             if NC > 3:
                 if not PREFETCH:
                     n3, sc3 = _load_fp8_chunk(lat_ptr, scl_ptr, row, srow, nmask, 3, R, CH)
-                k3 = fp8_operand(n3, sc3, FOLD, CVT, DOT_T, INTERP)
+                k3 = fp8_operand(n3, sc3, FOLD, CVT, DOT_T, INTERP, F32)
             if not PREFETCH:
                 kpe = _load_rope(rope_ptr, rrow, nmask, P, PP)
-            kpe = kpe.to(DOT_T)
+            kpe = _operand(kpe, DOT_T, F32)
             if FOLD:
-                s = tl.dot(q0, tl.trans(k0)) * sc0[None, :]
+                s = _mma(q0, tl.trans(k0), None, F32) * sc0[None, :]
                 if NC > 1:
-                    s += tl.dot(q1, tl.trans(k1)) * sc1[None, :]
+                    s += _mma(q1, tl.trans(k1), None, F32) * sc1[None, :]
                 if NC > 2:
-                    s += tl.dot(q2, tl.trans(k2)) * sc2[None, :]
+                    s += _mma(q2, tl.trans(k2), None, F32) * sc2[None, :]
                 if NC > 3:
-                    s += tl.dot(q3, tl.trans(k3)) * sc3[None, :]
+                    s += _mma(q3, tl.trans(k3), None, F32) * sc3[None, :]
             else:
-                s = tl.dot(q0, tl.trans(k0))
+                s = _mma(q0, tl.trans(k0), None, F32)
                 if NC > 1:
-                    s = tl.dot(q1, tl.trans(k1), s)
+                    s = _mma(q1, tl.trans(k1), s, F32)
                 if NC > 2:
-                    s = tl.dot(q2, tl.trans(k2), s)
+                    s = _mma(q2, tl.trans(k2), s, F32)
                 if NC > 3:
-                    s = tl.dot(q3, tl.trans(k3), s)
+                    s = _mma(q3, tl.trans(k3), s, F32)
         else:
-            k0 = _load_latent(lat_ptr, row, nmask, 0, R, CH).to(DOT_T)
-            s = tl.dot(q0, tl.trans(k0))
+            k0 = _operand(_load_latent(lat_ptr, row, nmask, 0, R, CH), DOT_T, F32)
+            s = _mma(q0, tl.trans(k0), None, F32)
             if NC > 1:
-                k1 = _load_latent(lat_ptr, row, nmask, 1, R, CH).to(DOT_T)
-                s = tl.dot(q1, tl.trans(k1), s)
+                k1 = _operand(_load_latent(lat_ptr, row, nmask, 1, R, CH), DOT_T, F32)
+                s = _mma(q1, tl.trans(k1), s, F32)
             if NC > 2:
-                k2 = _load_latent(lat_ptr, row, nmask, 2, R, CH).to(DOT_T)
-                s = tl.dot(q2, tl.trans(k2), s)
+                k2 = _operand(_load_latent(lat_ptr, row, nmask, 2, R, CH), DOT_T, F32)
+                s = _mma(q2, tl.trans(k2), s, F32)
             if NC > 3:
-                k3 = _load_latent(lat_ptr, row, nmask, 3, R, CH).to(DOT_T)
-                s = tl.dot(q3, tl.trans(k3), s)
-            kpe = _load_rope(rope_ptr, rrow, nmask, P, PP).to(DOT_T)
-        s = tl.dot(qpe, tl.trans(kpe), s)
+                k3 = _operand(_load_latent(lat_ptr, row, nmask, 3, R, CH), DOT_T, F32)
+                s = _mma(q3, tl.trans(k3), s, F32)
+            kpe = _operand(_load_rope(rope_ptr, rrow, nmask, P, PP), DOT_T, F32)
+        s = _mma(qpe, tl.trans(kpe), s, F32)
         s = s * qk_scale
         s = tl.where((offs[None, :] <= pos[:, None]) & nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -327,22 +348,22 @@ def mla_attn_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8 and FOLD:
-            acc0 = tl.dot((p * sc0[None, :]).to(tl.bfloat16).to(DOT_T), k0, acc0 * alpha[:, None])
+            acc0 = _mma(_operand(p * sc0[None, :], DOT_T, F32), k0, acc0 * alpha[:, None], F32)
             if NC > 1:
-                acc1 = tl.dot((p * sc1[None, :]).to(tl.bfloat16).to(DOT_T), k1, acc1 * alpha[:, None])
+                acc1 = _mma(_operand(p * sc1[None, :], DOT_T, F32), k1, acc1 * alpha[:, None], F32)
             if NC > 2:
-                acc2 = tl.dot((p * sc2[None, :]).to(tl.bfloat16).to(DOT_T), k2, acc2 * alpha[:, None])
+                acc2 = _mma(_operand(p * sc2[None, :], DOT_T, F32), k2, acc2 * alpha[:, None], F32)
             if NC > 3:
-                acc3 = tl.dot((p * sc3[None, :]).to(tl.bfloat16).to(DOT_T), k3, acc3 * alpha[:, None])
+                acc3 = _mma(_operand(p * sc3[None, :], DOT_T, F32), k3, acc3 * alpha[:, None], F32)
         else:
-            pb = p.to(tl.bfloat16).to(DOT_T)
-            acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+            pb = _operand(p, DOT_T, F32)
+            acc0 = _mma(pb, k0, acc0 * alpha[:, None], F32)
             if NC > 1:
-                acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+                acc1 = _mma(pb, k1, acc1 * alpha[:, None], F32)
             if NC > 2:
-                acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+                acc2 = _mma(pb, k2, acc2 * alpha[:, None], F32)
             if NC > 3:
-                acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+                acc3 = _mma(pb, k3, acc3 * alpha[:, None], F32)
         m_i = m_new
 
     has = l_i > 0.0

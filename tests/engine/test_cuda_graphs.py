@@ -132,11 +132,10 @@ def _teacher_forced(cpu: LLM, prompts: list[list[int]], outs) -> list[tuple[int,
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
 def test_graphed_engine_generates_the_reference_tokens(tmp_path, gen):
-    """The GPU path changes speed, not answers: on a small dense model (float32 activations, bf16 latent
-    cache on both sides) every token the graphed, overlapped engine generates is the reference backend's
-    greedy choice given the same prefix, except at near-ties (gap below 0.05 nats) that the attention
-    kernel's bf16 rounding of queries and probabilities (as FlashMLA's) can flip; once flipped, the two
-    continuations differ, which is why this is checked teacher-forced rather than as equal lists."""
+    """The GPU path changes speed, not answers: on a small dense float32 model (bf16 latent cache on both
+    sides; the GPU's attention then runs in float32 too) the graphed, overlapped engine's greedy continuations
+    are the reference backend's, token for token. The only licence is summation order: two lists may part
+    where the reference itself has a near-tie (its best two tokens within 1e-3 nats), never elsewhere."""
     hf = build_hf_model("deepseek_v3", seed=int(torch.randint(0, 1000, (), generator=gen)), gain=1.5,
                         max_position_embeddings=256, first_k_dense_replace=3)
     path = str(save_checkpoint(hf, tmp_path / "dense"))
@@ -144,11 +143,16 @@ def test_graphed_engine_generates_the_reference_tokens(tmp_path, gen):
     gpu = LLM(path, backend="cuda_sm100", cuda_graph_max_batch_size=16, **common)
     assert gpu.engine.runner.graphs is not None
     cpu = LLM(path, backend="reference", **common)
-    prompts = _prompts(gen, 12)
-    outs = gpu.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    scored = _teacher_forced(cpu, prompts, outs)
-    assert all(gap < 0.05 for _, gap in scored), [s for s in scored if s[0] > 1]
-    assert sum(rank == 1 for rank, _ in scored) >= 0.98 * len(scored)
+    prompts = _prompts(gen, 16)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    parted = [(p, g, w) for p, g, w in zip(prompts, got, want) if g != w]
+    for p, g, w in parted:
+        i = next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)
+        lps = cpu.generate([p + w[:i]], SamplingParams(max_tokens=1, logprobs=2, temperature=0.0))[0].outputs[0].logprobs[0]
+        assert g[i] in lps and lps[w[i]].logprob - lps[g[i]].logprob < 1e-3, (i, lps)
+    assert len(parted) <= 2, f"{len(parted)} of {len(prompts)} continuations part at near-ties"
 
 
 @pytest.mark.skipif(not (GPU and CUDA_USABLE), reason="needs a GPU for cuda_sm100 with CUDA graphs")
