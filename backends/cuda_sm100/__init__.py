@@ -119,7 +119,7 @@ class CudaSM100Backend(ReferenceBackend):
                 return super().ops
             from deepinfer.backends.cuda_sm100.fused_ops import CudaFusedOps
 
-            ops = self.__dict__["_fused_ops"] = CudaFusedOps()
+            ops = self.__dict__["_fused_ops"] = CudaFusedOps(batch_invariant=getattr(self, "batch_invariant", False))
         return ops
 
     def linear(self, x, weight):

@@ -1,5 +1,6 @@
-"""cuda_sm100 fused ops: the MoE gate, activation quantisation and SiLU-and-mul as Triton kernels, plus the
-token sort that lays routed tokens out for the grouped GEMM (contiguous or masked).
+"""cuda_sm100 fused ops: the MoE gate (from logits, or from hidden states in one launch for few tokens: see
+moe_gate.py), activation quantisation and SiLU-and-mul as Triton kernels, plus the token sort that lays routed
+tokens out for the grouped GEMM (contiguous or masked).
 
 rms_norm and apply_rope are one Triton launch each (norm_rope_kernels.py) in place of the reference's chain of
 torch elementwise kernels; shapes and dtypes the kernels do not cover fall back to the reference.
@@ -14,13 +15,12 @@ import torch
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
-from deepinfer.ops import FusedOps, RoutingSpec
+from deepinfer.ops import FusedOps, RoutingSpec, append_shared_experts
+from deepinfer.weights import LinearWeight, WeightFormat
 
-from deepinfer.backends.cuda_sm100 import gemm
+from deepinfer.backends.cuda_sm100 import gemm, moe_gate
 from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
 from deepinfer.backends.cuda_sm100 import routing_kernels as RK
-
-_MAX_EXPERTS = 1024  # the gate keeps one token's experts in registers
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,8 +50,10 @@ def _triton_device(t: torch.Tensor) -> bool:
 
 
 class CudaFusedOps(FusedOps):
-    def __init__(self):
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
         self._cudnn_refused: set = set()  # (dtype, dk, dv) cuDNN's SDPA refused once: not retried
+        self._tickets: dict[torch.device, torch.Tensor] = {}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
@@ -107,34 +109,41 @@ class CudaFusedOps(FusedOps):
         return gemm.silu_and_mul(x, quantize=True)
 
     def select_experts(self, router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None):
+        self._check_routing(router_logits, spec, correction_bias)
+        if spec.num_experts > moe_gate.MAX_EXPERTS:
+            return super().select_experts(router_logits, spec, correction_bias)
+        return moe_gate.select(router_logits, spec, correction_bias)
+
+    def route(self, x: torch.Tensor, gate: LinearWeight, spec: RoutingSpec, correction_bias: torch.Tensor | None = None,
+              *, linear, shared: int = 0):
+        """Few tokens: the float32 GEMV and the selection in one launch (moe_gate.gate_route). Else the backend's
+        GEMM, then the route kernel writing the shared columns itself. Batch-invariant mode keeps one path for
+        every token count: the backend's fixed-tile GEMM, whose row sums do not depend on the batch."""
+        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+        if (not self.batch_invariant and gate.format is WeightFormat.DENSE and _triton_device(x)
+                and moe_gate.gate_route_fits(x, gate.data, spec) and gate.in_features == x.shape[1]
+                and gate.out_features == spec.num_experts and gate.device == x.device):
+            if correction_bias is not None:
+                check_tensor("correction_bias", correction_bias, ndim=1, shape=[spec.num_experts], device=x.device)
+            return moe_gate.gate_route(x, gate.data, spec, correction_bias, self._gate_tickets(x.device), shared)
+        logits = linear(x.float(), gate)
+        self._check_routing(logits, spec, correction_bias)
+        if spec.num_experts > moe_gate.MAX_EXPERTS:
+            return append_shared_experts(*super().select_experts(logits, spec, correction_bias), spec.num_experts, shared)
+        return moe_gate.select(logits, spec, correction_bias, shared)
+
+    @staticmethod
+    def _check_routing(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None) -> None:
         check_tensor("router_logits", router_logits, ndim=2, shape=[None, spec.num_experts])
         if correction_bias is not None:
             check_tensor("correction_bias", correction_bias, ndim=1, shape=[spec.num_experts], device=router_logits.device)
-        if spec.num_experts > _MAX_EXPERTS:
-            return super().select_experts(router_logits, spec, correction_bias)
-        t, e = router_logits.shape
-        groups = spec.n_group if spec.grouped else 1
-        per_group = e // groups
-        weights = torch.empty(t, spec.top_k, dtype=torch.float32, device=router_logits.device)
-        ids = torch.empty(t, spec.top_k, dtype=torch.int64, device=router_logits.device)
-        if t == 0:
-            return weights, ids
-        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-        if spec.topk_method == "noaux_tc":
-            renorm, scale = spec.norm_topk_prob, spec.routed_scaling_factor
-        elif spec.norm_topk_prob and spec.top_k > 1:
-            renorm, scale = True, 1.0
-        else:
-            renorm, scale = False, spec.routed_scaling_factor
-        ep = gemm.next_pow2(groups) * gemm.next_pow2(per_group)
-        bt = max(1, min(16, 2048 // ep, gemm.next_pow2(t)))
-        RK.route_kernel[(gemm.cdiv(t, bt),)](
-            logits, correction_bias if correction_bias is not None else logits, weights, ids, t, logits.stride(0),
-            E=e, EPG=per_group, G=groups, G_P=gemm.next_pow2(groups), EPG_P=gemm.next_pow2(per_group),
-            TOPK=spec.top_k, K_P=gemm.next_pow2(spec.top_k), TOPK_GROUP=spec.topk_group if spec.grouped else 1,
-            SOFTMAX=spec.scoring_func == "softmax", GROUPED=spec.grouped, TOP2_SUM=spec.topk_method == "noaux_tc" and per_group >= 2,
-            HAS_BIAS=correction_bias is not None, RENORM=renorm, SCALE=float(scale), BT=bt, num_warps=4)
-        return weights, ids
+
+    def _gate_tickets(self, device: torch.device) -> torch.Tensor:
+        """gate_route's per-device tickets: zeros once, left at zero by every launch (graph-capturable)."""
+        tickets = self._tickets.get(device)
+        if tickets is None:
+            tickets = self._tickets[device] = torch.zeros(moe_gate.GATE_ROUTE_TICKETS, dtype=torch.int32, device=device)
+        return tickets
 
     def sort_tokens(self, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> SortedTokens:
         """Stable counting sort of (token, choice) pairs by expert; capacity=None gives the contiguous layout

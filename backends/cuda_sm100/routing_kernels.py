@@ -1,12 +1,14 @@
 """Triton kernels of the MoE gate and the token sort for the grouped GEMM.
 
-route_kernel does DeepSeek's whole gate for a block of tokens in registers: scores (sigmoid or softmax),
+_route_tokens does DeepSeek's whole gate for a block of tokens in registers: scores (sigmoid or softmax),
 correction bias, group scores (sum of top-2, or max), group top-k, expert top-k, gather of the unbiased
 weights, renormalisation and scaling. Experts are laid out [groups, experts per group], each padded to a
-power of two, so V2's 160 experts in 8 groups of 20 work as well as V3's 256 in 8 groups of 32.
+power of two, so V2's 160 experts in 8 groups of 20 work as well as V3's 256 in 8 groups of 32. route_kernel
+runs it on logits in memory; gate_route_kernel computes the float32 logits itself first (few tokens).
 
 The sort is a stable counting sort in three launches (block histograms, one-program scan, scatter with
-in-block ranks): no host sync, deterministic, graph-capturable.
+in-block ranks): no host sync, deterministic, graph-capturable. For few pairs dispatch_small_kernel does the
+same sort and the gather of the hidden rows in one launch.
 """
 
 from __future__ import annotations
@@ -16,20 +18,22 @@ import triton.language as tl
 
 
 @triton.jit
-def route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t,
-                 E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
-                 TOPK: tl.constexpr, K_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+def _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, stride_t,
+                  E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
+                  TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr, CACHE: tl.constexpr):
+    """Route tokens `tok` [BT] (rows >= T masked) from logits [T, E] in memory; writes weights and ids
+    [T, TOPK + SHARED]. The SHARED columns after the routed ones are the folded shared experts E, E+1, ...:
+    every token takes them with weight 1.0 (routed_scaling_factor scales only routed experts)."""
     NEG: tl.constexpr = float("-inf")
-    tok = tl.program_id(0) * BT + tl.arange(0, BT)
     grp = tl.arange(0, G_P)
     mem = tl.arange(0, EPG_P)
     expert = grp[:, None] * EPG + mem[None, :]  # [G_P, EPG_P]
     valid_e = (grp[:, None] < G) & (mem[None, :] < EPG)
     valid = (tok[:, None, None] < T) & valid_e[None, :, :]
     logits = tl.load(logits_ptr + tok[:, None, None].to(tl.int64) * stride_t + expert[None, :, :], mask=valid,
-                     other=NEG).to(tl.float32)
+                     other=NEG, cache_modifier=CACHE).to(tl.float32)
     if SOFTMAX:
         mx = tl.max(tl.max(logits, axis=2), axis=1)
         mx = tl.where(tok < T, mx, 0.0)  # rows past T are all -inf
@@ -79,10 +83,68 @@ def route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t,
     if RENORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * SCALE
+    row = tok[:, None].to(tl.int64) * (TOPK + SHARED)
     out_mask = (tok[:, None] < T) & (kcols[None, :] < TOPK)
-    out_off = tok[:, None].to(tl.int64) * TOPK + kcols[None, :]
-    tl.store(w_ptr + out_off, weights, mask=out_mask)
-    tl.store(ids_ptr + out_off, ids.to(tl.int64), mask=out_mask)
+    tl.store(w_ptr + row + kcols[None, :], weights, mask=out_mask)
+    tl.store(ids_ptr + row + kcols[None, :], ids.to(tl.int64), mask=out_mask)
+    if SHARED > 0:  # their own tile: the routed weights' sum keeps its width (and rounding) whatever SHARED is
+        scols = tl.arange(0, S_P)
+        s_mask = (tok[:, None] < T) & (scols[None, :] < SHARED)
+        s_off = row + TOPK + scols[None, :]
+        tl.store(w_ptr + s_off, tl.full((BT, S_P), 1.0, tl.float32), mask=s_mask)
+        tl.store(ids_ptr + s_off, (E + scols[None, :] + tl.zeros((BT, S_P), tl.int32)).to(tl.int64), mask=s_mask)
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t,
+                 E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
+                 TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, stride_t, E, EPG, G, G_P, EPG_P, TOPK, SHARED, K_P, S_P,
+                  TOPK_GROUP, SOFTMAX, GROUPED, TOP2_SUM, HAS_BIAS, RENORM, SCALE, BT, "")
+
+
+@triton.jit
+def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_x,
+                      H: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, N_EB: tl.constexpr,
+                      E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
+                      TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+    """The whole gate for few tokens in one launch: logits = x.float() @ gate^T, then _route_tokens.
+
+    Program (i, j) computes token block i's float32 logits for experts [j*BE, (j+1)*BE) into `logits_ptr`
+    [T, E]: the gate's rows are spread over N_EB programs so that at one token its read (512 KiB for
+    V2-Lite) runs on many SMs at once. Each program then takes a ticket from ticket_ptr[i]; the one that
+    draws the last ticket has seen every other program's logits (acq_rel atomic after a block barrier) and
+    routes the block, then resets the ticket to 0 for the next launch. Every logit is one program's
+    fixed-order sum, so the result does not depend on which program finishes last.
+    """
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    tok = pid_t * BT + tl.arange(0, BT)
+    ex = pid_e * BE + tl.arange(0, BE)
+    hh = tl.arange(0, BH)
+    acc = tl.zeros((BT, BE, BH), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        h = h0 + hh
+        xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + h[None, :],
+                     mask=(tok[:, None] < T) & (h[None, :] < H), other=0.0).to(tl.float32)
+        gv = tl.load(gate_ptr + ex[:, None].to(tl.int64) * H + h[None, :],
+                     mask=(ex[:, None] < E) & (h[None, :] < H), other=0.0).to(tl.float32)
+        acc += xv[:, None, :] * gv[None, :, :]
+    logits = tl.sum(acc, axis=2)
+    tl.store(logits_ptr + tok[:, None].to(tl.int64) * E + ex[None, :], logits,
+             mask=(tok[:, None] < T) & (ex[None, :] < E))
+    tl.debug_barrier()  # every thread's logits are written before the ticket releases them
+    ticket = tl.atomic_add(ticket_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+    if ticket == N_EB - 1:
+        # ".cg": read the other programs' logits from L2, never from this SM's (incoherent) L1
+        _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, E, E, EPG, G, G_P, EPG_P, TOPK, SHARED, K_P, S_P,
+                      TOPK_GROUP, SOFTMAX, GROUPED, TOP2_SUM, HAS_BIAS, RENORM, SCALE, BT, ".cg")
+        tl.atomic_xchg(ticket_ptr + pid_t, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -158,3 +220,53 @@ def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.
         v = tl.load(y_ptr + r * stride_y + cols, mask=m & (r >= 0), other=0.0).to(tl.float32)
         acc += w * v
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def dispatch_small_kernel(ids_ptr, x_ptr, rows_ptr, sizes_ptr, row_of_pair_ptr, P, stride_x, stride_r,
+                          E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr,
+                          BP: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, P_C: tl.constexpr):
+    """A local dispatch for few pairs in one launch: the stable counting sort of sort_*_kernel (contiguous
+    layout) and the gather of the hidden rows.
+
+    Program (b, c) re-counts all P pairs (P is small: a few KiB of ids from L2), which gives it the group
+    starts and the pairs of earlier blocks per expert with no inter-program communication; it then places
+    pairs [b*BP, (b+1)*BP) (rank among equal experts in the block, as sort_scatter_kernel) and copies their
+    hidden columns [c*HB, (c+1)*HB). Column block 0 writes row_of_pair; program (0, 0) the group sizes.
+    P_C: P as a constexpr under the interpreter (whose loops need a Python int bound), else -1.
+    """
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    first_pair = b * BP
+    cols = tl.arange(0, E_P)
+    total = tl.zeros((E_P,), dtype=tl.int32)
+    before = tl.zeros((E_P,), dtype=tl.int32)
+    for c0 in range(0, P_C if P_C >= 0 else P, CH):
+        offs = c0 + tl.arange(0, CH)
+        m = offs < P
+        e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        ok = m & (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
+        total += tl.histogram(e, E_P, mask=ok)
+        before += tl.histogram(e, E_P, mask=ok & (offs < first_pair))
+    start = tl.cumsum(total, 0) - total + before  # first row of this block's pairs, per expert
+
+    i = tl.arange(0, BP)
+    offs = first_pair + i
+    m = offs < P
+    e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    ok = m & (e >= 0) & (e < E)
+    e = tl.where(ok, e, -1)
+    rank = tl.sum(((e[:, None] == e[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    row = tl.gather(start, tl.where(ok, e, 0), 0) + rank
+    if c == 0:
+        tl.store(row_of_pair_ptr + offs, tl.where(ok, row, -1), mask=m)
+        if b == 0:
+            tl.store(sizes_ptr + cols, total.to(tl.int64), mask=cols < E)
+    src = (offs // TOPK).to(tl.int64) * stride_x
+    dst = row.to(tl.int64) * stride_r
+    for h0 in range(0, HB, BH):
+        h = c * HB + h0 + tl.arange(0, BH)
+        mask = ok[:, None] & (h[None, :] < H)
+        v = tl.load(x_ptr + src[:, None] + h[None, :], mask=mask)
+        tl.store(rows_ptr + dst[:, None] + h[None, :], v, mask=mask)

@@ -15,7 +15,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.errors import InvalidInputError
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.mla import MLAttention
-from deepinfer.model.mlp import GatedMLP, stack_experts
+from deepinfer.model.mlp import GatedMLP, split_into_experts, stack_experts
 from deepinfer.model.moe import MoE
 from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.weights import LinearWeight
@@ -58,11 +58,27 @@ class DecoderLayer:
                    ep_group: Any = None) -> MoE:
         # Logical experts in order, or this rank's physical slots (a replica stacks its own copy).
         held = range(config.n_routed_experts) if placement is None else placement.local_experts
-        stacked = {p: stack_experts([w[f"experts.{e}.{p}"] for e in held]) for p in ("gate_proj", "up_proj", "down_proj")}
+        projections = ("gate_proj", "up_proj", "down_proj")
+        per_expert = {p: [w[f"experts.{e}.{p}"] for e in held] for p in projections}
+        shared, folded = None, 0
+        if config.n_shared_experts:
+            sw = _sub(w, "shared_experts")
+            # In one process the shared MLP joins the routed grouped GEMMs as extra experts every token takes
+            # (two GEMM launches per layer instead of four, and no separate add). Expert parallelism keeps it
+            # apart: it runs on every rank, overlapping the all-to-all.
+            pieces = None if placement is not None else split_into_experts(
+                sw["gate_proj"], sw["up_proj"], sw["down_proj"], like=per_expert["gate_proj"][0])
+            if pieces is None:
+                shared = cls._build_mlp(backend, sw)
+            else:
+                folded = len(pieces)
+                for piece in pieces:
+                    for p, weight in zip(projections, piece):
+                        per_expert[p].append(weight)
+        stacked = {p: stack_experts(per_expert[p]) for p in projections}
         experts = GatedMLP(backend, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
-        shared = cls._build_mlp(backend, _sub(w, "shared_experts")) if config.n_shared_experts else None
         return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared,
-                   placement, ep_group)
+                   placement, ep_group, folded_shared=folded)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ops = self.backend.ops

@@ -1,11 +1,18 @@
-"""Gated SiLU MLPs: the dense MLP / shared experts, and the routed experts of a MoE layer."""
+"""Gated SiLU MLPs: the dense MLP / shared experts, and the routed experts of a MoE layer.
+
+A shared-expert MLP of intermediate size S * I is exactly S experts of size I (its intermediate channels split
+into S slices: gate/up rows, down columns; the down projection's sum over channels is the sum of the slices'
+outputs), so a single-process MoE layer can run it inside the routed grouped GEMM (`split_into_experts`).
+"""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from deepinfer.backend import Backend
-from deepinfer.quant import FP8_BLOCK
+from deepinfer.quant import FP8_BLOCK, NVFP4_BLOCK
 from deepinfer.weights import LinearWeight, WeightFormat
 
 
@@ -22,6 +29,58 @@ def concat_out_features(a: LinearWeight, b: LinearWeight) -> LinearWeight | None
     if a.format is WeightFormat.FP8_BLOCK and a.out_features % FP8_BLOCK == 0:
         return LinearWeight.fp8_block(torch.cat([a.data, b.data], dim=-2), torch.cat([a.scale, b.scale], dim=-2))
     return None
+
+
+def _slice_exact(weight: LinearWeight, size: int, rows: bool) -> bool:
+    """Whether cutting `weight` into slices of `size` rows (else columns) keeps its stored values and scales."""
+    total = weight.out_features if rows else weight.in_features
+    if weight.data.dim() != 2 or size <= 0 or total % size:
+        return False
+    if weight.format is WeightFormat.FP8_BLOCK:  # 128x128 scale blocks must not straddle a cut
+        return size % FP8_BLOCK == 0
+    if weight.format is WeightFormat.NVFP4:  # rows carry their own 16-wide scales; columns come in 16-wide blocks
+        return rows or size % NVFP4_BLOCK == 0
+    return True
+
+
+def _slice(weight: LinearWeight, i: int, size: int, rows: bool) -> LinearWeight:
+    """Slice i of `size` rows (else columns) of a 2-D weight, in its stored format (_slice_exact checked)."""
+    if rows:
+        cut = lambda t, unit: t[i * size // unit : (i + 1) * size // unit]  # noqa: E731
+    else:
+        cut = lambda t, unit: t[:, i * size // unit : (i + 1) * size // unit]  # noqa: E731
+    if weight.format is WeightFormat.DENSE:
+        return LinearWeight.dense(cut(weight.data, 1))
+    if weight.format is WeightFormat.FP8_BLOCK:
+        return LinearWeight.fp8_block(cut(weight.data, 1), cut(weight.scale, FP8_BLOCK))
+    if rows:
+        return LinearWeight.nvfp4(cut(weight.data, 1), cut(weight.scale, 1), weight.global_scale, weight.in_features)
+    return LinearWeight.nvfp4(cut(weight.data, 2), cut(weight.scale, NVFP4_BLOCK), weight.global_scale, size)
+
+
+def split_into_experts(gate: LinearWeight, up: LinearWeight, down: LinearWeight, like: LinearWeight
+                       ) -> list[tuple[LinearWeight, LinearWeight, LinearWeight]] | None:
+    """A gated MLP [S*I] -> S (gate, up, down) experts of intermediate size I = like.out_features (a routed
+    expert's gate), in the routed experts' format and dtype so that they stack with them; None unless every
+    cut is exact in the stored format (FP8: I a multiple of 128; NVFP4 down: of 16)."""
+    inter = like.out_features
+    parts = (gate, up, down)
+    if any(w.format is not like.format or w.data.dtype != like.data.dtype for w in parts):
+        return None
+    if gate.in_features != like.in_features or up.in_features != like.in_features or down.out_features != like.in_features:
+        return None
+    if gate.out_features != up.out_features or down.in_features != gate.out_features:
+        return None
+    if not (_slice_exact(gate, inter, True) and _slice_exact(up, inter, True) and _slice_exact(down, inter, False)):
+        return None
+    return [(_slice(gate, i, inter, True), _slice(up, i, inter, True), _slice(down, i, inter, False))
+            for i in range(gate.out_features // inter)]
+
+
+def expert_weight(stacked: LinearWeight, g: int) -> LinearWeight:
+    """Matrix g of a stacked [E, N, K] weight as a 2-D weight over views of its tensors (no copy)."""
+    pick = lambda t: None if t is None else t[g]  # noqa: E731
+    return LinearWeight(stacked.data[g], stacked.format, stacked.in_features, pick(stacked.scale), pick(stacked.global_scale))
 
 
 def stack_experts(weights: list[LinearWeight]) -> LinearWeight:
@@ -48,6 +107,13 @@ class GatedMLP:
         self.gate_up = concat_out_features(gate, up)
         self.gate, self.up = (None, None) if self.gate_up is not None else (gate, up)
         self.down = down
+
+    def expert(self, g: int) -> GatedMLP:
+        """Expert g of a stacked MLP as a plain one, over views of the stacked weights."""
+        view = copy.copy(self)
+        view.gate_up, view.gate, view.up, view.down = (
+            None if w is None else expert_weight(w, g) for w in (self.gate_up, self.gate, self.up, self.down))
+        return view
 
     def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None) -> torch.Tensor:
         if group_sizes is None:

@@ -4,6 +4,13 @@ In one process the layer holds every expert and dispatches on logical ids. Under
 an `ExpertPlacement`: it holds only this rank's physical slots (replicas are copies), maps each chosen
 logical expert to one of its physical slots and dispatches on slot ids over the EP group. The layer never
 asks which rank or device it is on: the placement and the group say all it needs.
+
+In one process the shared experts are usually folded into the routed ones (see DecoderLayer._build_moe): the
+stacked experts then end with `folded_shared` shared slices, which the gate appends to every token's choices
+with weight 1.0, so one grouped GEMM pair and the combine's weighted sum do the work of the separate shared
+MLP and its add (6 launches per layer instead of 16 at one bf16 token on cuda_sm100). Past FOLD_MAX_TOKENS
+the GEMMs are compute-bound and launches no longer matter: the slices then run as plain GEMMs on all tokens
+(cuBLAS for bf16), as the separate MLP did, without gathering every token once per slice.
 """
 
 from __future__ import annotations
@@ -14,10 +21,15 @@ from typing import Any
 import torch
 
 from deepinfer.backend import Backend
+from deepinfer.errors import ConfigError
 from deepinfer.model.mlp import GatedMLP
 from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.ops import RoutingSpec
 from deepinfer.weights import LinearWeight
+
+# Tokens up to which a folded layer runs its shared slices inside the routed grouped GEMMs (to be tuned on the
+# device: the grouped GEMM against cuBLAS on the shared share of the FLOPs, against the launches saved).
+FOLD_MAX_TOKENS = 512
 
 
 class MoE:
@@ -31,7 +43,11 @@ class MoE:
         shared_experts: GatedMLP | None,
         placement: ExpertPlacement | None = None,
         group: Any = None,
+        folded_shared: int = 0,
     ):
+        """folded_shared: how many of `experts`' last groups are shared-expert slices (one process only)."""
+        if folded_shared and (placement is not None or shared_experts is not None):
+            raise ConfigError("folded shared experts are for a single process with no separate shared MLP")
         self.backend = backend
         self.routing = routing
         # The router runs in float32, as DeepSeek's and transformers' do: near-tied scores decide experts.
@@ -39,34 +55,55 @@ class MoE:
         self.correction_bias = None if correction_bias is None else correction_bias.float()
         self.experts = experts  # stacked: every logical expert, or this rank's slots in slot order
         self.shared_experts = shared_experts
+        self.folded_shared = folded_shared
+        self.fold_max_tokens = FOLD_MAX_TOKENS
+        # Views of the folded slices, for batches past fold_max_tokens.
+        first = routing.num_experts
+        self._shared_slices = [experts.expert(first + j) for j in range(folded_shared)]
         self.placement = placement
         self.group = group  # the expert-parallel process group (None: the default group)
         self.load_hook: Callable[[torch.Tensor], None] | None = None  # EPLB: sees the logical choices [T, k]
 
     def set_placement(self, placement: ExpertPlacement, experts: GatedMLP) -> None:
         """Switch to a new slot map and the matching local expert weights (between steps, on every rank)."""
+        if self.folded_shared:
+            raise ConfigError("a layer built for one process (shared experts folded in) cannot take a placement")
         self.placement, self.experts = placement, experts
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights, ids) [T, top_k + shared]: the routed choices, then `shared` folded shared experts."""
         be = self.backend
         if x.shape[0] == 0:  # an idle expert-parallel rank joining the collectives with no tokens
-            k = self.routing.top_k
+            k = self.routing.top_k + shared
             return (torch.empty(0, k, dtype=torch.float32, device=x.device), torch.empty(0, k, dtype=torch.int64, device=x.device))
-        logits = be.linear(x.float(), self.gate)
-        return be.ops.select_experts(logits, self.routing, self.correction_bias)
+        return be.ops.route(x, self.gate, self.routing, self.correction_bias, linear=be.linear, shared=shared)
+
+    def _shared_apart(self, x: torch.Tensor) -> torch.Tensor:
+        """The folded shared slices as plain MLPs on every token, summed."""
+        out = self._shared_slices[0].forward(x)
+        for mlp in self._shared_slices[1:]:
+            out = out + mlp.forward(x)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         be = self.backend
-        weights, ids = self._route(x)
+        fold = self.folded_shared if x.shape[0] <= self.fold_max_tokens else 0
+        weights, ids = self._route(x, fold)
         if self.load_hook is not None:
-            self.load_hook(ids)
+            self.load_hook(ids[:, : self.routing.top_k] if fold else ids)
         if self.placement is None:
-            pending = be.dispatch(x, ids, weights, self.routing.num_experts, validate=False)  # ids from the router
+            # The shared slices' groups are there either way (empty when not folded for this batch).
+            num_experts = self.routing.num_experts + self.folded_shared
+            pending = be.dispatch(x, ids, weights, num_experts, validate=False)  # ids from the router
         else:
             pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group,
                                   validate=False)
         # Shared experts need no routed tokens: compute them while the dispatch is in flight.
-        shared = self.shared_experts.forward(x) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts.forward(x)
+        elif self.folded_shared and not fold:
+            shared = self._shared_apart(x)
         dispatched = pending.wait()
         expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes)
         out = be.combine(dispatched, expert_out).wait()

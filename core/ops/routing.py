@@ -83,3 +83,15 @@ def select_experts(
     else:
         weights = weights * spec.routed_scaling_factor
     return weights, ids
+
+
+def append_shared_experts(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, shared: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append `shared` always-chosen experts num_experts, num_experts+1, ... with weight 1.0 to every token's
+    choices: shared experts folded into the routed ones (DeepSeek adds their output unweighted; the
+    routed_scaling_factor applies to routed experts only)."""
+    if shared <= 0:
+        return weights, ids
+    t = ids.shape[0]
+    extra = torch.arange(num_experts, num_experts + shared, dtype=ids.dtype, device=ids.device).expand(t, shared)
+    return (torch.cat([weights, weights.new_ones(t, shared)], dim=1), torch.cat([ids, extra], dim=1))
