@@ -2,10 +2,10 @@
 
 q [Lq, H, dk] are the last Lq positions of a sequence with keys k [Ls, H, dk] and values v [Ls, H, dv]
 (dk = nope 128 + rope 64 = 192, dv = 128 for DeepSeek); query i sees keys 0 .. Ls - Lq + i (causal, lower
-right). cuDNN's SDPA is as fast but builds an execution plan per new shape (40 ms to over a second on first
-use, which stalls serving); this kernel takes every shape with one compile (per load path and with or
-without the log-sum-exp): Lq and Ls are not specialised (do_not_specialize), and the strides are multiples
-of 16 for every head count at these head sizes.
+right). cuDNN's SDPA is ~20% faster once warm but builds an execution plan per new shape (40 ms to over a
+second on first use, which stalls serving); this kernel takes every shape with one compile (per load path
+and with or without the log-sum-exp): Lq and Ls are not specialised (do_not_specialize), and the strides are
+multiples of 16 for every head count at these head sizes.
 
 Structure (Hopper, sm_90: tl.dot lowers to wgmma; the key loop's tile loads become TMA copies from host
 descriptors where usable, else cp.async from pointers, either pipelined num_stages deep):
@@ -30,15 +30,16 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 
-# Tiles for the DeepSeek head sizes (192 / 128, 16-bit), from benchmarks/triton_sm90_report.py (sm_90, 8
-# warps, BLOCK_M 128): TMA loads, BLOCK_N 128, 2 stages: 208 registers, no spill, 209 KiB shared memory; the
-# pointer path (cp.async) needs a register per address, so there BLOCK_N 128 hits 255 registers and 64 with
-# 3 stages (178, no spill, 168 KiB) is the default. GPU timing decides (benchmarks/prefill_attention.py
-# --triton-alt times other tiles).
+# Tiles for the DeepSeek head sizes (192 / 128, 16-bit): compiled for sm_90 with benchmarks/
+# triton_sm90_report.py (8 warps, BLOCK_M 128; no spills) and timed on the H200 (benchmarks/
+# prefill_attention.py --triton-alt). TMA loads, BLOCK_N 64, 3 stages: 158 registers, 169 KiB shared memory,
+# 494 TFLOPS at 16k queries over 32k keys (BLOCK_N 128 / 2 stages: 208 registers, 477). The pointer path
+# (cp.async, a register per address): BLOCK_N 64, 3 stages (178 registers; 128 would hit 255), 421 TFLOPS.
 BLOCK_M = 128
 NUM_WARPS = 8
-TMA_TILE = (128, 2)  # (BLOCK_N, num_stages)
+TMA_TILE = (64, 3)  # (BLOCK_N, num_stages): 494 TFLOPS vs 477 for (128, 2) at 16k x 32k on the H200
 POINTER_TILE = (64, 3)
+FP32_TILE = (64, 32, 2)  # (BLOCK_M, BLOCK_N, num_stages) for 4-byte inputs (exactness, not speed): fits shared memory
 
 
 @triton.jit
@@ -242,6 +243,9 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         return (out, lse) if return_lse else out
     use_tma = tma_usable(k, v) if tma is None else (tma and tma_usable(k, v))
     tile_n, stages = TMA_TILE if use_tma else POINTER_TILE
+    if q.element_size() == 4 and q.device.type == "cuda":  # twice the bytes per tile: a smaller one
+        fp32_m, tile_n, stages = FP32_TILE
+        block_m = min(block_m, fp32_m)
     block_n, num_stages = block_n or tile_n, num_stages or stages
     d1, d2 = split_key_dims(dk)
     interp = q.device.type == "cpu"  # CPU tensors only run under TRITON_INTERPRET=1

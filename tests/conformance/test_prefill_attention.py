@@ -66,6 +66,14 @@ def test_buckets_bound_padding():
         assert b >= 256 and -(-n // b) * b - n < max(256, n / 8 + 1)
 
 
+def test_unknown_prefill_attention_impl_is_refused():
+    from deepinfer.backends.cuda_sm100.fused_ops import CudaFusedOps
+    from deepinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="DEEPINFER_PREFILL_ATTENTION"):
+        CudaFusedOps(prefill_attention="flashinfer")
+
+
 def test_prefill_attention_rejects_bad_input(backend, gen):
     dev = backend.device
     q, k, v = _randn(gen, 4, 2, 8, device=dev), _randn(gen, 3, 2, 8, device=dev), _randn(gen, 3, 2, 4, device=dev)
@@ -77,15 +85,18 @@ def test_prefill_attention_rejects_bad_input(backend, gen):
         backend.ops.prefill_attention(q[:2], k, v, -1.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's SDPA needs a GPU")
-@pytest.mark.parametrize("lq,ls", [(2048, 2048), (2100, 5000), (3000, 3001)])
-def test_cuda_prefill_attention_runs_cudnn_at_mla_sizes(gen, lq, ls, monkeypatch):
-    from deepinfer.registry import load_backend
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU kernels (Triton, cuDNN's SDPA) need a GPU")
+@pytest.mark.parametrize("impl", ["triton", "cudnn"])
+@pytest.mark.parametrize("lq,ls", [(2048, 2048), (2100, 5000), (3000, 3001), (130, 200)])
+def test_cuda_prefill_attention_runs_its_kernels_at_mla_sizes(gen, lq, ls, impl, monkeypatch):
+    from deepinfer.backends.cuda_sm100.fused_ops import CudaFusedOps
 
-    ops = load_backend("cuda_sm100").ops
+    if impl == "cudnn" and lq < PA.MIN_QUERIES:
+        pytest.skip("short chunks stay off cuDNN")
+    ops = CudaFusedOps(prefill_attention=impl)
 
     def fallback(*args, **kwargs):
-        raise AssertionError("cuda_sm100 fell back to PyTorch's SDPA choice")
+        raise AssertionError(f"cuda_sm100 fell back to PyTorch's SDPA choice instead of {impl}")
 
     monkeypatch.setattr(FusedOps, "prefill_attention", fallback)
     h, dk, dv = 16, 192, 128
