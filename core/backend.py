@@ -160,6 +160,15 @@ class Backend(ABC):
         validate=False skips checking the sizes' values, a read-back that stalls the host behind queued GPU
         work (and is illegal in graph capture), for callers that produced them (the model, from dispatch)."""
 
+    def gated_linear(self, x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None, *,
+                     validate: bool = True) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight (the first half of a gated MLP),
+        -> [M, I]; with group_sizes, grouped as grouped_linear. By default the projection then
+        ops.silu_and_mul; a backend may fuse the two."""
+        if group_sizes is None:
+            return self.ops.silu_and_mul(self.linear(x, gate_up))
+        return self.ops.silu_and_mul(self.grouped_linear(x, gate_up, group_sizes, validate=validate))
+
     # --- communication --------------------------------------------------------------------------
     @abstractmethod
     def dispatch(

@@ -136,6 +136,17 @@ class CudaSM100Backend(ReferenceBackend):
 
         return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
 
+    def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
+        from deepinfer.backends.cuda_sm100 import gemm
+
+        # Experts at decode sizes: SiLU-and-mul in the grouped GEMM's epilogue (one launch, and no [M, 2I]
+        # intermediate). Larger batches keep the plain grouped GEMM's wider tiles (the fused kernel holds two
+        # accumulators); batch-invariant mode keeps one path for every size.
+        if (group_sizes is not None and self._triton_runs_here() and not self.batch_invariant
+                and x.shape[0] <= gemm.FUSED_MLP_MAX_ROWS):
+            return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate)
+        return super().gated_linear(x, gate_up, group_sizes, validate=validate)
+
     # --- MoE communication: in one process, a device-side counting sort and a fused combine (moe_comm.py) ---
     def _local_moe(self, group) -> bool:
         import torch.distributed as dist

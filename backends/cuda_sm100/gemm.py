@@ -349,6 +349,9 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
     return out
 
 
+FUSED_MLP_MAX_ROWS = 4096  # expert rows up to which the model's grouped gate/up runs fused with SiLU (decode)
+
+
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, quantize: bool = True, cfg: TileConfig | None = None,
                  validate: bool = True):

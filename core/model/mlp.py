@@ -121,8 +121,9 @@ class GatedMLP:
         return self.backend.grouped_linear(x, weight, group_sizes, validate=False)  # sizes from dispatch
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate_up = self._project(x, self.gate_up, group_sizes)
+        if self.gate_up is not None:  # sizes come from dispatch: no value check
+            hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False)
         else:
             gate_up = torch.cat([self._project(x, self.gate, group_sizes), self._project(x, self.up, group_sizes)], dim=-1)
-        return self._project(self.backend.ops.silu_and_mul(gate_up), self.down, group_sizes)
+            hidden = self.backend.ops.silu_and_mul(gate_up)
+        return self._project(hidden, self.down, group_sizes)
