@@ -6,10 +6,11 @@ heldout_files.txt, read from this interpreter's standard library). Printed:
   1. acceptance: mean accepted length (bonus token included), per-position conditional acceptance, mean
      verified length and verification waste (rejected / verified) for MTP-1, MTP chained k=5, DSpark with
      the whole block, a static threshold, and Algorithm 1 at low load (batch 1) and high load (batch 32);
+     the fixed block and Algorithm 1 also at the further loads of --high-loads (e.g. 128);
   2. confidence-head calibration: per-position survival ECE before and after the shipped STS calibration,
      on whole-block drafts decoded at temperature 1 from held-out prompts (the calibration was fitted on
      other files);
-  3. generated tokens per second at batch 1, 8 and 32 for every configuration, and the ratio to
+  3. generated tokens per second at each of --batches for every configuration, and the ratio to
      non-speculative decoding measured in the same run (interleaved, best of --repeats).
 
     python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 1]
@@ -99,7 +100,9 @@ def main() -> None:
     ap.add_argument("--low-load-prompts", type=int, default=12, help="prompts decoded one at a time (batch 1)")
     ap.add_argument("--ece-prompts", type=int, default=512,
                     help="held-out prompts decoded for the ECE table (more drafts: less sampling noise in the observed ECE)")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--high-loads", default="32,128",
+                    help="loads of the acceptance table: every drafter at the first, fixed block and Algorithm 1 at all")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="requests run one after another at batch 1")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -123,20 +126,26 @@ def main() -> None:
     print(f"# bench_spec_cpu  {results['date']}  git {rev}  {platform.processor() or platform.machine()}, "
           f"{args.threads} torch threads, torch {torch.__version__}; model {model_dir.name}; temperature {t}")
 
-    engines = {name: build(model_dir, name, args.threshold, 32) for name in CONFIGS}
+    batches = [int(b) for b in args.batches.split(",")]
+    high_loads = [int(b) for b in args.high_loads.split(",")]
+    engines = {name: build(model_dir, name, args.threshold, max(batches + high_loads)) for name in CONFIGS}
     curve = engines["DSpark + Algorithm 1"].engine.speculator.scheduler.curve
     rows = curve.rows if hasattr(curve, "rows") else ((None, curve),)
     for r, c in rows:
         print(f"SPS(B) profiled at start-up{'' if r is None else f' for {r} sequences'} (steps/s): "
               + ", ".join(f"{b}: {1 / s:.0f}" for b, s in c.points))
 
-    # 1. Acceptance at high load (batch 32) for every drafter; Algorithm 1 also at low load (batch 1).
-    prompts = heldout_prompts(model_dir, args.accept_prompts, args.prompt_len, args.seed)
+    # 1. Acceptance at high load for every drafter; the fixed block and Algorithm 1 at every high load, and
+    # Algorithm 1 also at low load (batch 1). A load of B decodes max(--accept-prompts, 2B) prompts B at a time.
+    prompts = heldout_prompts(model_dir, max([args.accept_prompts] + [2 * b for b in high_loads]), args.prompt_len,
+                              args.seed)
     rows = []
     for name, llm in engines.items():
         if name == "non-speculative":
             continue
-        loads = [("high (32)", 32, prompts)]
+        both = name in ("DSpark fixed block (5)", "DSpark + Algorithm 1")
+        loads = [(f"high ({b})", b, prompts[: max(args.accept_prompts, 2 * b)])
+                 for b in (high_loads if both else high_loads[:1])]
         if name == "DSpark + Algorithm 1":
             loads = [("low (1)", 1, prompts[: args.low_load_prompts])] + loads
         for load, batch, ps in loads:
@@ -147,8 +156,8 @@ def main() -> None:
                          "verified": s.mean_verified_length, "waste": s.verification_waste,
                          "cond_accept": s.conditional_acceptance(), "pos_accept": s.position_acceptance()})
     results["acceptance"] = rows
-    print(f"\n## Acceptance on held-out code ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_tokens} "
-          f"generated each, temperature {t})\n")
+    print(f"\n## Acceptance on held-out code (prompts of {args.prompt_len} tokens, {args.max_tokens} generated each, "
+          f"temperature {t}; load B: max({args.accept_prompts}, 2B) prompts, B at a time)\n")
     print("| drafter / scheduler | load (batch) | mean accepted length | verified / round | verification waste | "
           "conditional acceptance per position | acceptance per position (accepted / rounds) |")
     print("|---|---|---|---|---|---|---|")
@@ -156,7 +165,7 @@ def main() -> None:
         print(f"| {r['config']} | {r['load']} | {r['tau']:.3f} | {r['verified']:.2f} | {r['waste']:.1%} | "
               f"{fmt_list(r['cond_accept'])} | {fmt_list(r['pos_accept'])} |")
     mtp5 = next(r for r in rows if r["config"] == "MTP chained k=5")["tau"]
-    block = next(r for r in rows if r["config"] == "DSpark fixed block (5)")
+    block = next(r for r in rows if r["config"] == "DSpark fixed block (5)")  # at the first high load, as MTP
     print(f"\nDSpark / chained MTP accepted length at block 5: {block['tau'] / mtp5:.3f}x (target >= 1.15x)")
 
     # 2. Calibration of the confidence head on held-out drafts.
@@ -181,7 +190,6 @@ def main() -> None:
           ", ".join(f"{a:.3f} vs {b:.3f}" for a, b in zip(conf, seen)))
 
     # 3. Throughput, interleaved, best of repeats.
-    batches = [int(b) for b in args.batches.split(",")]
     tput: dict = {name: {} for name in engines}
     tput_stats: dict = {name: {} for name in engines}
     for batch in batches:
@@ -213,13 +221,16 @@ def main() -> None:
                 cell += f"; {tau:.2f} / {ver:.2f} / {waste:.0%}"
             cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
-    alg_hi = next(r for r in results["acceptance"] if r["config"] == "DSpark + Algorithm 1" and r["load"].startswith("high"))
-    alg_lo = next(r for r in results["acceptance"] if r["config"] == "DSpark + Algorithm 1" and r["load"].startswith("low"))
-    fixed_row = next(r for r in results["acceptance"] if r["config"] == "DSpark fixed block (5)")
-    print(f"\nAlgorithm 1 at high load: waste {alg_hi['waste']:.1%} vs fixed block {fixed_row['waste']:.1%} "
-          f"({1 - alg_hi['waste'] / fixed_row['waste']:.0%} lower; target >= 50%); throughput vs fixed block "
-          + ", ".join(f"batch {b}: {tput['DSpark + Algorithm 1'][b] / tput['DSpark fixed block (5)'][b]:.2f}x" for b in batches)
-          + f"; verified per round {alg_lo['verified']:.2f} at low load -> {alg_hi['verified']:.2f} at high load")
+    acc = results["acceptance"]
+    alg_lo = next(r for r in acc if r["config"] == "DSpark + Algorithm 1" and r["load"].startswith("low"))
+    for b in high_loads:
+        alg = next(r for r in acc if r["config"] == "DSpark + Algorithm 1" and r["load"] == f"high ({b})")
+        fixed = next(r for r in acc if r["config"] == "DSpark fixed block (5)" and r["load"] == f"high ({b})")
+        ratio = (f"{tput['DSpark + Algorithm 1'][b] / tput['DSpark fixed block (5)'][b]:.2f}x" if b in batches
+                 else "not measured (add it to --batches)")
+        print(f"\nAlgorithm 1 at load {b}: waste {alg['waste']:.1%} vs fixed block {fixed['waste']:.1%} "
+              f"({1 - alg['waste'] / fixed['waste']:.0%} lower; target >= 50%); throughput vs fixed block at batch {b}: "
+              f"{ratio}; verified per round {alg_lo['verified']:.2f} at load 1 -> {alg['verified']:.2f} at load {b}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2), encoding="utf-8")
 
