@@ -111,17 +111,20 @@ class AttentionBatch:
 
     def validate_for(self, spec: KVCacheSpec) -> None:
         """Every block table covers its sequence and names only blocks that exist."""
+        bs, num_blocks = spec.block_size, spec.num_blocks
         for i, (s, table) in enumerate(zip(self.seq_lens, self.block_tables)):
-            need = cdiv(s, spec.block_size)
+            need = -(-s // bs)
             if len(table) < need:
                 raise InvalidInputError(
-                    f"sequence {i}: block table has {len(table)} blocks but {s} tokens need {need} of size {spec.block_size}"
+                    f"sequence {i}: block table has {len(table)} blocks but {s} tokens need {need} of size {bs}"
                 )
-            for b in table[:need]:
-                if not 0 <= b < spec.num_blocks:
-                    raise InvalidInputError(f"sequence {i}: block id {b} is out of range [0, {spec.num_blocks})")
-            if len(set(table[:need])) != need:
-                raise InvalidInputError(f"sequence {i}: block table repeats a block id: {list(table[:need])}")
+            used = table[:need]
+            # min / max / set run in C: this runs for every sequence of every step
+            if used and (min(used) < 0 or max(used) >= num_blocks):
+                bad = next(b for b in used if not 0 <= b < num_blocks)
+                raise InvalidInputError(f"sequence {i}: block id {bad} is out of range [0, {num_blocks})")
+            if len(set(used)) != need:
+                raise InvalidInputError(f"sequence {i}: block table repeats a block id: {list(used)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,16 +152,16 @@ class AttentionPlan:
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
-        width = max(cdiv(s, bs) for s in batch.seq_lens)
-        table = [list(t[: cdiv(s, bs)]) + [0] * (width - cdiv(s, bs)) for t, s in zip(batch.block_tables, batch.seq_lens)]
-        positions = batch.positions()
-        slots, k = [], 0
-        for i, q in enumerate(batch.query_lens):
-            for _ in range(q):
-                p = positions[k]
-                slots.append(batch.block_tables[i][p // bs] * bs + p % bs)
-                k += 1
-        flat_table = [b for row in table for b in row]
+        used = [-(-s // bs) for s in batch.seq_lens]
+        width = max(used)
+        flat_table, pad = [], [0] * width
+        slots, positions = [], []
+        for table, n, q, s in zip(batch.block_tables, used, batch.query_lens, batch.seq_lens):
+            flat_table.extend(table[:n])
+            flat_table.extend(pad[: width - n])
+            for p in range(s - q, s):
+                slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(range(s - q, s))
         starts_t, lens_t, table_t, slots_t, pos_t = to_device_many(
             [starts, batch.seq_lens, flat_table, slots, positions], torch.int64, device)
         return cls(
@@ -166,7 +169,7 @@ class AttentionPlan:
             spec=spec,
             query_start_loc=starts_t.to(torch.int32),
             seq_lens=lens_t.to(torch.int32),
-            block_table=table_t.to(torch.int32).view(len(table), width),
+            block_table=table_t.to(torch.int32).view(len(used), width),
             slot_mapping=slots_t,
             positions=pos_t,
             **extra,

@@ -8,7 +8,9 @@ alive until the copy has run.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -23,8 +25,13 @@ def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, devic
 
 def to_device_many(rows: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
     """Several flat integer lists in one transfer; returns one 1-D device tensor per list."""
-    flat = [v for row in rows for v in row]
-    packed = to_device(flat, dtype, device)
+    # An int64 array filled in C and viewed as a tensor: half the host time of torch.tensor(list) (~6k
+    # values per step at 256 sequences); the tensor keeps the array alive.
+    flat = array("q", chain.from_iterable(rows))
+    host = torch.frombuffer(flat, dtype=torch.int64) if len(flat) else torch.empty(0, dtype=torch.int64)
+    host = host if dtype == torch.int64 else host.to(dtype)
+    device = torch.device(device)
+    packed = host.to(device) if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
     out, start = [], 0
     for row in rows:
         out.append(packed[start : start + len(row)])
