@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call that checks and measures the GPU path, logs under $OUT (or ./gpu_suite_out):
+#   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph and sampler tests (8 workers)
+#   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped, decode), prefill_attention
+#   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
+# Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
+# so one call (device time is budgeted per session) brings back every number it could take.
+set -u
+OUT=${OUT:-$PWD/gpu_suite_out}
+mkdir -p "$OUT"
+LEVEL=${1:-tests}
+source benchmarks/device_env.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+rev=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+echo "# gpu_suite $LEVEL at $rev, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+
+DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q -n 8 tests/conformance tests/engine/test_cuda_graphs.py \
+    tests/engine/test_sampler.py > "$OUT/tests.log" 2>&1
+echo "tests: $(grep -E 'passed|failed' "$OUT/tests.log" | tail -1)"
+grep -E '^FAILED' "$OUT/tests.log" | head -10
+[ "$LEVEL" = tests ] && exit 0
+
+(cd benchmarks && timeout 200 python3 mla_decode.py --reps 20 --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1)
+echo "mla_decode:"; grep -E '^\| (bf16|fp8)' "$OUT/mla.log" | cut -d'|' -f2-11
+(cd benchmarks && timeout 240 python3 gemm.py --sections fp8,grouped,decode --budget 200 --out "$OUT" > "$OUT/gemm.log" 2>&1)
+echo "gemm:"; grep -E '^\| (4096|64|128) |^\| V' "$OUT/gemm.log" | cut -c1-160
+(cd benchmarks && timeout 120 python3 prefill_attention.py --chunks 16384x32768,4000x8000 > "$OUT/prefill.log" 2>&1)
+echo "prefill attention:"; grep -E 'ours|flash' "$OUT/prefill.log" | cut -c1-150
+[ "$LEVEL" = kernels ] && exit 0
+
+timeout 560 python3 benchmarks/e2e.py --max-prefill-tokens 600000 --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+echo "e2e:"; grep -E 'transformers generate|==|^\s+[0-9]+\s+[0-9]+ |time to first' "$OUT/e2e.log" | cut -c1-200
