@@ -35,7 +35,7 @@ from deepinfer.quant import cdiv
 from deepinfer.spec.drafter import DraftRequest, Observation
 from deepinfer.spec.metrics import SpecDecodeStats
 from deepinfer.spec.verifier import VerifyContext, verify
-from deepinfer.transfer import to_device
+from deepinfer.transfer import take_rows, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -342,9 +342,7 @@ class LLMEngine:
         tokens = torch.empty(0, dtype=torch.int64, device=device)
         extras, wanted = (), tuple(j for j, (r, _, _) in enumerate(draws) if r.params.logprobs is not None)
         if draws:
-            raw = step_out.logits
-            if len(rows) != raw.shape[0] or rows != list(range(len(rows))):  # a decode step samples every row
-                raw = raw.index_select(0, to_device(rows, torch.int64, device))
+            raw = take_rows(step_out.logits, rows)
             logits = self._penalize_deferred(raw.float(), draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
                                         [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])

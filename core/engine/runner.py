@@ -13,7 +13,7 @@ from deepinfer.engine.cuda_graphs import DecodeGraphs, reserve_sink
 from deepinfer.engine.overlap import resolve_inputs
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
-from deepinfer.transfer import to_device
+from deepinfer.transfer import take_rows, to_device
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,4 @@ class ModelRunner:
             hidden, captured = self.model.forward_capture(ids, ctx, capture_layers)
         else:
             hidden = self.model.forward(ids, ctx)
-        if (len(logit_rows) == hidden.shape[0] and hidden.is_contiguous()
-                and logit_rows == list(range(len(logit_rows)))):
-            hidden_rows = hidden  # every row in order (a decode step): the gather would copy it unchanged
-        else:
-            hidden_rows = hidden.index_select(0, to_device(logit_rows, torch.int64, device))
-        return StepOutput(hidden, self.model.compute_logits(hidden_rows), tuple(captured))
+        return StepOutput(hidden, self.model.compute_logits(take_rows(hidden, logit_rows)), tuple(captured))
