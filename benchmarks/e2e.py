@@ -222,13 +222,7 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
         chunk = engine.engine_config.max_num_batched_tokens
         for _ in range(2 + batch * context // chunk):  # the prefill chunks, then a decode step to warm up
             engine.step()
-        on_gpu = engine.backend.device.type == "cuda"
-        activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
-        with torch.profiler.profile(activities=[activity]) as prof:
-            engine.step()
-            sync(engine.backend.device)
-        key = "cuda_time_total" if on_gpu else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+        print_kernel_table(engine, lambda: (engine.step(), sync(engine.backend.device)), top)
     finally:
         engine.runner.graphs = graphs
         while engine.has_unfinished():
@@ -237,10 +231,15 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
 
 def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25) -> None:
     """Kernel time breakdown of a whole prefill (all its chunks) of one prompt."""
+    print_kernel_table(engine, lambda: run_ttft(engine, prompt_len, gen), top)
+
+
+def print_kernel_table(engine, fn, top: int) -> None:
+    """The profiler's table of what fn() ran, by device time (CPU time without a GPU)."""
     on_gpu = engine.backend.device.type == "cuda"
     activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
-        run_ttft(engine, prompt_len, gen)
+        fn()
     key = "cuda_time_total" if on_gpu else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
