@@ -1,15 +1,13 @@
 """cuda_sm100 GEMMs on the GPU against their peers, in one run: TFLOPS and ratios.
 
-  python3 benchmarks/gemm.py [--out DIR] [--budget SECONDS] [--sweep] [--sections fp8,grouped,decode,precision,dense]
+  python3 benchmarks/gemm.py [--out DIR] [--budget SECONDS] [--sweep] [--sections fp8,grouped,precision,dense]
 
 - FP8 block-scaled GEMM (DeepGEMM's recipe) at ANCHORS.md's DeepSeek-V3 shapes, M in (64, 128, 4096):
   ours (GEMM only, activations pre-quantised, as DeepGEMM and cuBLAS are timed), ours end to end (bf16 in,
   fused activation quantisation + GEMM), cuBLAS FP8 (`torch._scaled_mm`, row-wise scales), bf16 matmul.
 - Grouped: 8 groups x 512 tokens (N 4096, K 7168) against torch's grouped GEMMs and per-group loops; 256
   experts top-8 at 128 and 4096 tokens against a loop of per-expert cuBLAS FP8 calls.
-- Decode: the grouped GEMM at one row per active expert (V2-Lite: 8 of 66 groups with the folded shared
-  experts; V3: 9 of 257), bf16 and FP8, as GB/s of the weights it must read over the HBM read ceiling;
-  with --sweep, tile alternatives (narrow tiles, more CTAs) next to the default.
+- Decode-shaped GEMMs (a few rows, weight-streaming): benchmarks/gemm_decode.py.
 - bf16 Triton tile GEMM against cuBLAS (which `linear` uses for dense weights), NVFP4 weight-only, and
   the FP8 GEMM's error against float64 math on the same quantised inputs.
 Each timing: median of 21 calls, CUDA events, L2 flushed (256 MiB written) before each call, replayed from
@@ -40,7 +38,7 @@ SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168)
 MS = [64, 128, 4096]
 DEV = torch.device("cuda")
 _FLUSH = None
-RESULTS: dict = {"fp8": [], "grouped": [], "decode": [], "dense": [], "nvfp4": [], "precision": [], "sweep": []}
+RESULTS: dict = {"fp8": [], "grouped": [], "dense": [], "nvfp4": [], "precision": [], "sweep": []}
 
 
 SMOKE = False  # --smoke: tiny shapes on the CPU under the Triton interpreter, to check this script's flow
@@ -290,69 +288,6 @@ def bench_grouped(deadline: float) -> None:
                 print(f"|   (weight bytes / time: {w.data.numel() / (ours * 1e-3) / 1e12:.2f} TB/s) | | | | | |")
 
 
-DECODE_CASES = [  # (name, groups, active groups, N, K): one row per active group, the rest empty
-    ("V2-Lite gate_up", 66, 8, 2816, 2048), ("V2-Lite down", 66, 8, 2048, 1408),
-    ("V3 gate_up", 257, 9, 4096, 7168), ("V3 down", 257, 9, 7168, 2048),
-]
-DECODE_SWEEP = [G.TileConfig(16, 64, 64, 4, 4), G.TileConfig(16, 32, 64, 4, 4), G.TileConfig(64, 64, 64, 4, 4, tma=True),
-                G.TileConfig(16, 128, 64, 4, 4, tma=True), G.TileConfig(16, 64, 64, 4, 6)]
-
-
-def bench_decode(sweep: bool, deadline: float) -> None:
-    """Grouped GEMM as decode runs it: a handful of experts with one token each, bandwidth-bound."""
-    from deepinfer.registry import load_backend  # noqa: F401 (the backend's device setup)
-
-    read = None
-    if not SMOKE:
-        from gpu_timing import ceilings
-
-        read = ceilings()[0]
-    print("\n## Decode-shaped grouped GEMM (one row per active expert; GB/s of the touched weights)"
-          + ("" if read is None else f"; HBM read {read:.0f} GB/s"))
-    print("| case | format | default tile | ms | GB/s | of HBM | best sweep tile | ms | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, groups, active, n, k in DECODE_CASES:
-        if SMOKE:
-            groups, active, n, k = 6, 2, 256, 128
-        for fmt in ("dense", "fp8_block"):
-            if time.time() > deadline:
-                print(f"| {name} | {fmt} | skipped (time budget) |")
-                continue
-            if fmt == "dense":
-                w = LinearWeight.dense(torch.randn(groups, n, k, device=DEV, dtype=torch.bfloat16) / k**0.5)
-                wbytes = active * n * k * 2
-            else:
-                w = fp8_weight(n, k, groups)
-                wbytes = active * n * k * (1 + 4 / 128**2)
-            sizes = torch.zeros(groups, dtype=torch.int64, device=DEV)
-            sizes[torch.randperm(groups, device=DEV)[:active]] = 1
-            x = torch.randn(active, k, device=DEV, dtype=torch.bfloat16)
-            default = G.pick_config(1, n, k, 1 if fmt == "fp8_block" else 0, 1, DEV)
-            ref = G.grouped_linear(x, w, sizes, validate=False)
-            ms, err = try_time(lambda: G.grouped_linear(x, w, sizes, validate=False))
-            if ms is None:
-                print(f"| {name} | {fmt} | {cfg_name(default)} | failed: {err} |")
-                continue
-            best = (ms, default)
-            for cfg in (DECODE_SWEEP if sweep else []):
-                if fmt == "fp8_block":
-                    cfg = replace(cfg, bk=128)
-                try:
-                    out = G.grouped_linear(x, w, sizes, cfg=cfg, validate=False)
-                    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                        continue  # a tile must give the default's result
-                except Exception:  # a tile that does not compile or fit: not a candidate
-                    continue
-                t, _ = try_time(lambda cfg=cfg: G.grouped_linear(x, w, sizes, cfg=cfg, validate=False))
-                if t is not None and t < best[0]:
-                    best = (t, cfg)
-            gbs = wbytes / (ms * 1e-3) / 1e9
-            frac = "-" if read is None else f"{gbs / read:.2f}"
-            print(f"| {name} | {fmt} | {cfg_name(default)} | {ms:.4f} | {gbs:.0f} | {frac} | {cfg_name(best[1])} | "
-                  f"{best[0]:.4f} | {wbytes / (best[0] * 1e-3) / 1e9:.0f} |", flush=True)
-            RESULTS["decode"].append(dict(case=name, fmt=fmt, ms=ms, gbs=gbs, best_ms=best[0], best=cfg_name(best[1])))
-
-
 def bench_dense_and_nvfp4(deadline: float) -> None:
     print("\n## bf16 GEMM: Triton tile kernel vs cuBLAS (TFLOPS); NVFP4 weight-only (bf16 activations) vs bf16 matmul")
     print("| M | N x K | Triton bf16 (M=4096: best of 128x128, 128x256 tiles) | cuBLAS bf16 | Triton/cuBLAS | NVFP4 w-only | NVFP4/bf16 |")
@@ -385,7 +320,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sections", default="fp8,grouped,decode,precision,dense")
+    ap.add_argument("--sections", default="fp8,grouped,precision,dense")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke:
@@ -401,8 +336,6 @@ def main() -> None:
         bench_fp8(args.sweep, deadline - args.budget * 0.35)
     if "grouped" in sections:
         bench_grouped(deadline - args.budget * 0.15)
-    if "decode" in sections:
-        bench_decode(args.sweep, deadline - args.budget * 0.1)
     if "precision" in sections and time.time() < deadline:
         bench_precision()
     if "dense" in sections:

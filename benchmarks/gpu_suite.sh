@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the GPU path, logs under $OUT (or ./gpu_suite_out):
 #   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph and sampler tests (8 workers)
-#   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped, decode), prefill_attention
+#   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped), gemm_decode, prefill_attention
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 # Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
 # so one call (device time is budgeted per session) brings back every number it could take.
@@ -21,8 +21,10 @@ grep -E '^FAILED' "$OUT/tests.log" | head -10
 
 (cd benchmarks && timeout 200 python3 mla_decode.py --reps 20 --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1)
 echo "mla_decode:"; grep -E '^\| (bf16|fp8)' "$OUT/mla.log" | cut -d'|' -f2-11
-(cd benchmarks && timeout 240 python3 gemm.py --sections fp8,grouped,decode --budget 200 --out "$OUT" > "$OUT/gemm.log" 2>&1)
-echo "gemm:"; grep -E '^\| (4096|64|128) |^\| V' "$OUT/gemm.log" | cut -c1-160
+(cd benchmarks && timeout 240 python3 gemm.py --sections fp8,grouped --budget 200 --out "$OUT" > "$OUT/gemm.log" 2>&1)
+echo "gemm:"; grep -E '^\| (4096|64|128) ' "$OUT/gemm.log" | cut -c1-160
+(cd benchmarks && timeout 120 python3 gemm_decode.py --budget 90 --json "$OUT/gemm_decode.json" > "$OUT/gemm_decode.log" 2>&1)
+echo "gemm_decode:"; grep -E '^\| B=' "$OUT/gemm_decode.log" | cut -c1-160
 (cd benchmarks && timeout 120 python3 prefill_attention.py --chunks 16384x32768,4000x8000 > "$OUT/prefill.log" 2>&1)
 echo "prefill attention:"; grep -E 'ours|flash' "$OUT/prefill.log" | cut -c1-150
 [ "$LEVEL" = kernels ] && exit 0

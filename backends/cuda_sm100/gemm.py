@@ -212,7 +212,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         a_arg = TensorDescriptor(a, list(a.shape), list(a.stride()), [cfg.bm, cfg.bk])
         w2 = w.reshape(-1, w.shape[-1])
         b_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [cfg.bn, cfg.bk])
-    split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if layout == 0 and not fused else 1
+    split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused else 1
     if layout == 0:
         m_tiles = cdiv(m, cfg.bm)
     elif layout == 1:

@@ -1,0 +1,232 @@
+"""The weight-streaming GEMMs of one decode step, tile by tile, against cuBLAS: how much of HBM each reaches.
+
+  python3 benchmarks/gemm_decode.py [--batches 1 32] [--formats bf16 fp8] [--model v2-lite|v3] [--sweep]
+                                    [--budget SECONDS] [--json FILE]
+
+At decode batch sizes every GEMM of a DeepSeek layer reads its whole weight for a few rows, so what counts is
+GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases, per batch B:
+- experts: the routed + folded shared experts as the model runs them (tokens pick top_k distinct routed
+  experts at random plus every shared slice): gate/up fused with SiLU (and FP8 quantisation of its output for
+  FP8 weights), then the down projection, both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS
+  calls over the active experts (bf16), and torch._grouped_mm where this torch has it.
+- dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (Triton) next
+  to cuBLAS (bf16 matmul, or row-wise FP8 `torch._scaled_mm`), which the model uses for dense bf16 weights.
+With --sweep each case also tries narrower tiles, split-K and, for the fused gate/up, the unfused split-K
+GEMM + SiLU kernel; every candidate is checked against the default's result first. Times: median of 21 CUDA
+graph replays with L2 flushed before each (GPU time, as decode replays it). --smoke runs tiny shapes on the
+CPU under the Triton interpreter (this script's flow only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import gemm as B  # benchmarks/gemm.py: timing, FP8 weights, tile names
+from deepinfer import quant
+from deepinfer.weights import LinearWeight
+
+from deepinfer.backends.cuda_sm100 import gemm as G
+
+MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices, q + kv_a width, o_proj in, vocab
+    "v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6, shared=2, q_kv_a=16 * 192 + 576, o_in=16 * 128, vocab=102400),
+    "v3": dict(hidden=7168, inter=2048, experts=256, top_k=8, shared=1, q_kv_a=1536 + 576, o_in=128 * 128, vocab=129280),
+}
+RESULTS: list[dict] = []
+
+
+def expert_sizes(tokens: int, experts: int, top_k: int, shared: int, dev) -> torch.Tensor:
+    ids = torch.rand(tokens, experts, device=dev).argsort(dim=1)[:, :top_k]
+    sizes = torch.bincount(ids.flatten(), minlength=experts)
+    return torch.cat([sizes, torch.full((shared,), tokens, dtype=sizes.dtype, device=dev)])
+
+
+def weight(fmt: str, n: int, k: int, groups: int | None = None) -> LinearWeight:
+    if fmt == "fp8":
+        return B.fp8_weight(n, k, groups)
+    shape = (n, k) if groups is None else (groups, n, k)
+    return LinearWeight.dense(torch.randn(shape, device=B.DEV, dtype=torch.bfloat16) / k**0.5)
+
+
+def weight_bytes(w: LinearWeight, n: int, k: int) -> float:
+    return n * k * (w.data.element_size() + (4 / 128**2 if w.scale is not None else 0))
+
+
+def candidates(rows: int, bk: int, fused: bool, fp8_out: bool) -> list[G.TileConfig]:
+    """Tiles for few rows: narrow (more CTAs to spread the weight over the SMs), deeper pipelines, split-K."""
+    out = []
+    for bn in ((128,) if fp8_out else (32, 64, 128)):
+        for stages in (4, 6):
+            out.append(G.TileConfig(16, bn, bk, 4, stages))
+    if rows > 16:
+        out.append(G.TileConfig(32, 64, bk, 4, 4))
+    out.append(G.TileConfig(64, 128, bk, 4, 4, tma=True))
+    if not fused:
+        for cfg in (G.TileConfig(16, 64, bk, 4, 4), G.TileConfig(16, 128, bk, 4, 4), G.TileConfig(64, 128, bk, 4, 4, tma=True)):
+            out += [replace(cfg, split_k=s) for s in (2, 4)]
+    return out
+
+
+def measure(name: str, run, bytes_: float, read: float | None, sweep_runs: list[tuple[str, object]], peers) -> None:
+    ref = run()
+    ms, err = B.try_time(run)
+    if ms is None:
+        print(f"| {name} | failed: {err} |")
+        return
+    best = (ms, "default")
+    for label, fn in sweep_runs:
+        try:
+            out = fn()
+        except Exception as exc:  # a tile that does not compile or fit: not a candidate
+            print(f"|   {name}: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            continue
+        if not torch.allclose(out.float(), ref.float(), rtol=3e-2, atol=3e-2):
+            print(f"|   {name}: {label} differs from the default (max {(out.float() - ref.float()).abs().max():.3g})")
+            continue
+        t, _ = B.try_time(fn)
+        if t is not None:
+            print(f"|   {name}: {label} {t * 1e3:.1f} us ({bytes_ / (t * 1e-3) / 1e9:.0f} GB/s)")
+            if t < best[0]:
+                best = (t, label)
+    gbs = lambda t: bytes_ / (t * 1e-3) / 1e9  # noqa: E731
+    frac = lambda t: "-" if read is None else f"{gbs(t) / read:.2f}"  # noqa: E731
+    peer_txt = []
+    for pname, fn in peers:
+        t, perr = B.try_time(fn)
+        peer_txt.append(f"{pname} {t * 1e3:.1f} us ({frac(t)}; ours/peer {t / ms:.2f}x)" if t else f"{pname}: {perr}")
+    print(f"| {name} | {ms * 1e3:.1f} | {gbs(ms):.0f} | {frac(ms)} | {best[1]} | {best[0] * 1e3:.1f} | {frac(best[0])} | "
+          f"{'; '.join(peer_txt)} |", flush=True)
+    RESULTS.append(dict(case=name, us=ms * 1e3, gbs=gbs(ms), best=best[1], best_us=best[0] * 1e3))
+
+
+def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) -> None:
+    dev, h, inter = B.DEV, m["hidden"], m["inter"]
+    groups = m["experts"] + m["shared"]
+    sizes = expert_sizes(batch, m["experts"], m["top_k"], m["shared"], dev)
+    rows, active = int(sizes.sum()), int((sizes > 0).sum())
+    gate_up, down = weight(fmt, 2 * inter, h, groups), weight(fmt, h, inter, groups)
+    x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16)
+    fp8 = fmt == "fp8"
+    bk = 128 if fp8 else 64
+    hidden = G.gate_up_silu(x, gate_up, group_sizes=sizes, validate=False)
+    hq, hs = hidden if fp8 else (hidden, None)
+    tag = f"B={batch} {fmt}"
+
+    fused_runs = []
+    unfused_runs = []
+    if sweep:
+        fused_runs = [(B.cfg_name(c), lambda c=c: _first(G.gate_up_silu(x, gate_up, group_sizes=sizes, cfg=c, validate=False)))
+                      for c in candidates(rows, bk, True, fp8)]
+
+        def unfused(c):
+            y = G.grouped_linear(x, gate_up, sizes, cfg=c, validate=False)
+            return _first(G.silu_and_mul(y, quantize=fp8))
+
+        unfused_runs = [("unfused " + B.cfg_name(c) + " + silu", lambda c=c: unfused(c))
+                        for c in candidates(rows, bk, False, fp8) if c.split_k > 1]
+    peers = []
+    if not fp8:
+        host = sizes.tolist()
+        starts = [sum(host[:g]) for g in range(groups)]
+
+        def loop_gate_up():
+            for g in range(groups):
+                if host[g]:
+                    G.silu_and_mul(x[starts[g] : starts[g] + host[g]] @ gate_up.data[g].t())
+
+        peers.append(("per-expert cuBLAS + silu loop", loop_gate_up))
+    measure(f"{tag} experts gate/up+SiLU [{active} of {groups} x {2 * inter}x{h}]", lambda: _first(
+        G.gate_up_silu(x, gate_up, group_sizes=sizes, validate=False)), active * weight_bytes(gate_up, 2 * inter, h), read,
+        fused_runs + unfused_runs, peers)
+
+    down_runs = [(B.cfg_name(c), lambda c=c: G.grouped_linear(hq, down, sizes, x_scale=hs, cfg=c, validate=False))
+                 for c in (candidates(rows, bk, False, False) if sweep else [])]
+    peers = []
+    if not fp8:
+        offs = torch.cumsum(sizes, 0).to(torch.int32)
+        peers.append(("torch._grouped_mm", lambda: torch._grouped_mm(hq, down.data.transpose(-1, -2), offs=offs)))
+    measure(f"{tag} experts down [{active} of {groups} x {h}x{inter}]",
+            lambda: G.grouped_linear(hq, down, sizes, x_scale=hs, validate=False),
+            active * weight_bytes(down, h, inter), read, down_runs, peers)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) -> None:
+    dev, h = B.DEV, m["hidden"]
+    cases = [("q/kv_a", m["q_kv_a"], h), ("o_proj", h, m["o_in"])]
+    if fmt == "bf16":
+        cases.append(("lm_head", m["vocab"], h))
+    bk = 128 if fmt == "fp8" else 64
+    for label, n, k in cases:
+        w = weight(fmt, n, k)
+        x = torch.randn(batch, k, device=dev, dtype=torch.bfloat16)
+        runs = []
+        if sweep:
+            kb = -(-k // bk)
+            for c in (G.TileConfig(16, 64, bk, 4, 4), G.TileConfig(16, 128, bk, 4, 4), G.TileConfig(16, 64, bk, 4, 6)):
+                tiles = -(-n // c.bn)
+                for s in sorted({1, G.split_divisor(kb, max(1, 132 // tiles)), G.split_divisor(kb, max(1, 264 // tiles))}):
+                    cfg = replace(c, split_k=s)
+                    runs.append((B.cfg_name(cfg), lambda cfg=cfg: G.linear(x, w, cfg=cfg, dense_triton=True)))
+        if fmt == "fp8":
+            xq, xs = quant.quantize_fp8_per_token_group(x) if B.SMOKE else G.quantize_fp8(x)
+            sa = torch.rand(batch, 1, device=dev) + 0.5
+            sb = torch.rand(1, n, device=dev) + 0.5
+            pad = max(16, -(-batch // 16) * 16)  # cuBLAS FP8 wants rows in multiples of 16
+            xp = torch.zeros(pad, k, device=dev).to(quant.FP8_DTYPE)
+            sp = torch.ones(pad, 1, device=dev)
+            peers = [("cuBLAS FP8 row-wise", lambda: torch._scaled_mm(xp, w.data.t(), scale_a=sp, scale_b=sb, out_dtype=torch.bfloat16))]
+            ours = lambda: G.linear(x, w)  # noqa: E731
+        else:
+            peers = [("cuBLAS bf16", lambda: x @ w.data.t())]
+            ours = lambda: G.linear(x, w, dense_triton=True)  # noqa: E731
+        measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, weight_bytes(w, n, k), read, runs, peers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--model", default="v2-lite", choices=sorted(MODELS))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later cases are skipped past it")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    m = dict(MODELS[args.model])
+    if args.smoke:
+        B.SMOKE, B.DEV = True, torch.device("cpu")
+        m = dict(hidden=256, inter=128, experts=8, top_k=2, shared=1, q_kv_a=192, o_in=128, vocab=512)
+    read = None
+    if not B.SMOKE:
+        from gpu_timing import ceilings
+
+        read = ceilings()[0]
+    print(f"# {torch.cuda.get_device_name(B.DEV) if B.DEV.type == 'cuda' else 'cpu'}; {args.model}; HBM read "
+          f"{read or float('nan'):.0f} GB/s; {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    print("| case | default us | GB/s | of HBM | best | us | of HBM | peers |")
+    print("|---|---|---|---|---|---|---|---|")
+    deadline = time.time() + args.budget
+    torch.manual_seed(0)
+    for fmt in args.formats:
+        for batch in args.batches:
+            if time.time() > deadline:
+                print(f"| B={batch} {fmt} | skipped (time budget) |")
+                continue
+            bench_experts(m, batch, fmt, args.sweep, read)
+            bench_dense(m, batch, fmt, args.sweep, read)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(RESULTS, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
