@@ -76,6 +76,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Rows per group up to which grouped GEMMs stream their weights through 16-row tiles: more, narrower CTAs
+# spread each expert's weight over more SMs. H200, V2-Lite experts (benchmarks/gemm_decode.py at 93d74ad, 8
+# weight copies per graph): batch 1 (1 row per expert) bf16 gate/up+SiLU 27.0 vs 31.4 us, down 15.9 vs 17.5 us,
+# FP8 down 10.7 vs 12.5 us; batch 32 (~4 rows) bf16 gate/up+SiLU 175.9 vs 194.2 us, down within 1%.
+DECODE_GROUP_ROWS = 8
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: torch.device, fused: bool = False,
                 ieee: bool = False) -> TileConfig:
@@ -92,8 +99,13 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     fp8 = b_kind == 1
     bk = BLOCK if fp8 else 64
     stages = 5 if fp8 else 4
+    decode = layout != 0 and rows <= DECODE_GROUP_ROWS
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
+        if decode and not fp8:
+            return TileConfig(bm=16, bn=64, bk=bk, warps=4, stages=4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
+    if decode:
+        return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=4 if fp8 else 6)
     sms = _num_sms(device)
     if layout != 0 and fp8:  # grouped FP8: the large-M tile below at every group size (H200, 2026-11-29: 8 x 512
         # rows 896 vs 805 TFLOPS for 128x128 / 8 warps; 256 experts top-8: 4096 tokens 627 vs 474, 128 tokens 34 vs 32-34)
