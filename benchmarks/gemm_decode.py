@@ -138,7 +138,7 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
     runs = []
     if sweep:
         runs = [(B.cfg_name(c), lambda i, c=c: fused(i, c)) for c in candidates(rows, bk, True, fp8)]
-        runs.append(("unfused default + silu (the model past FUSED_MLP_MAX_ROWS)", unfused))
+        runs.append(("unfused default + silu (the model where gemm.fuse_gate_up says no)", unfused))
         runs += [("unfused " + B.cfg_name(c) + " + silu", lambda i, c=c: unfused(i, c))
                  for c in candidates(rows, bk, False, fp8) if c.split_k > 1]
     peers = []

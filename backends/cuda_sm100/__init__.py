@@ -139,11 +139,11 @@ class CudaSM100Backend(ReferenceBackend):
     def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
         from deepinfer.backends.cuda_sm100 import gemm
 
-        # Experts at a few tokens: SiLU-and-mul in the grouped GEMM's epilogue (one launch, and no [M, 2I]
-        # intermediate). Larger batches keep the plain grouped GEMM's wider tiles (the fused kernel holds two
-        # accumulators; measured slower from batch 32); batch-invariant mode keeps one path for every size.
+        # Experts at decode sizes: SiLU-and-mul in the grouped GEMM's epilogue (one launch, and no [M, 2I]
+        # intermediate). Larger batches keep the plain grouped GEMM's wider tiles (see gemm.fuse_gate_up);
+        # batch-invariant mode keeps one path for every size.
         if (group_sizes is not None and self._triton_runs_here() and not self.batch_invariant
-                and x.shape[0] <= gemm.FUSED_MLP_MAX_ROWS):
+                and gemm.fuse_gate_up(x.shape[0], gate_up.num_groups)):
             return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate)
         return super().gated_linear(x, gate_up, group_sizes, validate=validate)
 

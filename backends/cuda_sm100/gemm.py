@@ -76,11 +76,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Rows per group up to which grouped GEMMs stream their weights through 16-row tiles: more, narrower CTAs
-# spread each expert's weight over more SMs. H200, V2-Lite experts (benchmarks/gemm_decode.py at 93d74ad, 8
-# weight copies per graph): batch 1 (1 row per expert) bf16 gate/up+SiLU 27.0 vs 31.4 us, down 15.9 vs 17.5 us,
-# FP8 down 10.7 vs 12.5 us; batch 32 (~4 rows) bf16 gate/up+SiLU 175.9 vs 194.2 us, down within 1%.
+# Rows per group (grouped GEMMs) and rows (one matrix) up to which the weight streams through 16-row tiles:
+# more, narrower CTAs spread it over more SMs. H200, V2-Lite shapes (benchmarks/gemm_decode.py at 93d74ad and
+# d6f57ec, 8 weight copies per graph, against 64-row tiles): batch 1 (one row per expert) gate/up+SiLU bf16
+# 27.0 vs 31.4 us, FP8 20.7 vs 27.1; down bf16 15.9 vs 17.5, FP8 10.7 vs 12.5; batch 32 (~4 rows per expert)
+# gate/up+SiLU bf16 175.9 vs 194.2, FP8 102.1 vs 130.4, down within 1%; FP8 q/kv_a at one row 10.7 vs 14.3.
 DECODE_GROUP_ROWS = 8
+DECODE_ROWS = 16
 
 
 @functools.lru_cache(maxsize=4096)
@@ -99,12 +101,12 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     fp8 = b_kind == 1
     bk = BLOCK if fp8 else 64
     stages = 5 if fp8 else 4
-    decode = layout != 0 and rows <= DECODE_GROUP_ROWS
+    decode = rows <= (DECODE_GROUP_ROWS if layout != 0 else DECODE_ROWS)
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
-        if decode and not fp8:
-            return TileConfig(bm=16, bn=64, bk=bk, warps=4, stages=4)
+        if decode:  # FP8: 128 columns, one quantisation group
+            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=bk, warps=4, stages=4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
-    if decode:
+    if decode and layout != 0:
         return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=4 if fp8 else 6)
     sms = _num_sms(device)
     if layout != 0 and fp8:  # grouped FP8: the large-M tile below at every group size (H200, 2026-11-29: 8 x 512
@@ -117,7 +119,9 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     # One matrix. Small M streams the weight: narrow tiles and split-K so every SM has a share. TMA saves
     # no GPU time there but costs ~50-100 us of host time per launch in Triton 3.6 (descriptors are encoded
     # per call), so small M loads through pointers; large M is compute-bound and TMA-fed.
-    if rows <= 64:
+    if decode:
+        cfg = TileConfig(bm=16, bn=64, bk=bk, warps=4, stages=6)
+    elif rows <= 64:
         cfg = TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=stages)
     elif rows <= 128:
         wide_n = cdiv(n, 128) >= sms  # enough 128x128 tiles to fill the GPU without splitting K
@@ -361,10 +365,11 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
     return out
 
 
-# Expert rows up to which the model's grouped gate/up runs fused with SiLU. H200, V2-Lite shape (e2e.py at
-# 91cbfb2, fused up to 4096 rows): batch 1 (8 rows) 318.8 vs 308.4 tok/s unfused; batch 32 (256 rows) 2884 vs
-# 3038 and batch 256 13035 vs 15486 (the fused tile's two accumulators halve its rows): weight-bound GEMV only.
-FUSED_MLP_MAX_ROWS = 32
+def fuse_gate_up(rows: int, groups: int) -> bool:
+    """Whether a grouped gate/up runs fused with SiLU: at decode sizes (the 16-row tiles), where the fused
+    kernel beats the plain GEMM + silu_and_mul (H200, V2-Lite, d6f57ec: batch 32 bf16 182 vs 189 us, FP8 102
+    vs 103). With 64-row tiles it lost from batch 32 (e2e at 91cbfb2: two accumulators halve a tile's rows)."""
+    return max(1, rows // max(groups, 1)) <= DECODE_GROUP_ROWS
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
