@@ -433,15 +433,16 @@ _chosen: dict = {}
 def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False) -> dict:
     if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
         bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, _pow2(rows))  # 64: the GPU's wgmma tile
-        # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere;
-        # and both key loops: the register prefetch of the next tile (16-bit caches too) and the plain one.
-        return dict(BM=bm, BN=64, num_warps=4, num_stages=1, CVT=int(bm != 64), PF=int(bm != 64))
-    override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt[,prefetch]]]": sweeps
+        # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
+        return dict(BM=bm, BN=64, num_warps=4, num_stages=1, CVT=int(bm != 64))
+    override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt]]": benchmark sweeps
     if override:
         v = [int(x) for x in override.split(",")]
         cfg = dict(zip(_CONFIG_FIELDS, v[:4]))
-        for name, value in zip(("FOLD", "CVT", "PF"), v[4:]):
-            cfg[name] = bool(value) if name == "FOLD" else value
+        if len(v) > 4:
+            cfg["FOLD"] = bool(v[4])
+        if len(v) > 5:
+            cfg["CVT"] = v[5]
         return cfg
     size = "big" if spec.kv_lora_rank > 128 else "small"
     if f32:

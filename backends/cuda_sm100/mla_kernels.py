@@ -149,21 +149,6 @@ def _load_fp8_tile(lat_ptr, scl_ptr, rope_ptr, row, srow, rrow, nmask, R: tl.con
 
 
 @triton.jit
-def _load_bf16_tile(lat_ptr, rope_ptr, row, rrow, nmask, R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr,
-                    NC: tl.constexpr, PP: tl.constexpr):
-    """A whole 16-bit key tile: latent chunks and the rope key (chunks past NC repeat chunk 0, unread)."""
-    l0 = _load_latent(lat_ptr, row, nmask, 0, R, CH)
-    l1, l2, l3 = l0, l0, l0
-    if NC > 1:
-        l1 = _load_latent(lat_ptr, row, nmask, 1, R, CH)
-    if NC > 2:
-        l2 = _load_latent(lat_ptr, row, nmask, 2, R, CH)
-    if NC > 3:
-        l3 = _load_latent(lat_ptr, row, nmask, 3, R, CH)
-    return l0, l1, l2, l3, _load_rope(rope_ptr, rrow, nmask, P, PP)
-
-
-@triton.jit
 def fp8_operand(k8, scale, FOLD: tl.constexpr, CVT: tl.constexpr, DOT_T: tl.constexpr, INTERP: tl.constexpr,
                 F32: tl.constexpr = False):
     """E4M3 tile -> bf16 MMA operand (times the token's scale unless FOLD). CVT 0: the cvt chain (e4m3x2 ->
@@ -237,7 +222,6 @@ def mla_attn_kernel(
     R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, MAX_SPAN: tl.constexpr,
     DOT_T: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr, CVT: tl.constexpr, F32: tl.constexpr,
-    PF: tl.constexpr = -1,
 ):
     """One program = one work item (a sequence's KV range [kv_lo, kv_hi)) x one tile of BM query rows.
 
@@ -290,16 +274,13 @@ def mla_attn_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * bt_stride
     rows_args = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
     tile_args = (lat_ptr, scl_ptr, rope_ptr)
-    # 64-row tiles leave the loads to Triton's pipeliner (asynchronous copies to shared memory); 16 / 32-row
-    # FP8 tiles measured faster loading the next tile's bytes into registers one iteration ahead (H200,
-    # 2026-11-29 sweeps). PF: -1 that default, 0 / 1 force it off / on (benchmark sweeps).
-    PREFETCH: tl.constexpr = (FP8 and BM < 64) if PF < 0 else PF == 1
+    # FP8 tiles go through a conversion before the MMA. 64-row tiles leave the loads to Triton's pipeliner
+    # (asynchronous copies to shared memory); 16 / 32-row tiles measured faster loading the next tile's bytes
+    # into registers one iteration ahead (H200, 2026-11-29 sweeps).
+    PREFETCH: tl.constexpr = FP8 and BM < 64
     if PREFETCH:
         _, nm, row, srow, rrow = _tile_rows(bt_row, kv_lo, kv_end, *rows_args, BN, ALIGNED)
-        if FP8:
-            nxt = _load_fp8_tile(*tile_args, row, srow, rrow, nm, R, P, CH, NC, PP)
-        else:
-            nxt = _load_bf16_tile(lat_ptr, rope_ptr, row, rrow, nm, R, P, CH, NC, PP)
+        nxt = _load_fp8_tile(*tile_args, row, srow, rrow, nm, R, P, CH, NC, PP)
     # The interpreter cannot loop to a runtime bound (numpy 2): there a host constexpr bound, masked tail.
     for rel in range(0, MAX_SPAN if INTERP else kv_end - kv_lo, BN):
         offs, nmask, row, srow, rrow = _tile_rows(bt_row, kv_lo + rel, kv_end, *rows_args, BN, ALIGNED)
@@ -347,32 +328,18 @@ def mla_attn_kernel(
                 if NC > 3:
                     s = _mma(q3, tl.trans(k3), s, F32)
         else:
-            if PREFETCH:
-                l0, l1, l2, l3, kpe = nxt
-                _, nm, nrow, nsrow, nrrow = _tile_rows(bt_row, kv_lo + rel + BN, kv_end, *rows_args, BN, ALIGNED)
-                nxt = _load_bf16_tile(lat_ptr, rope_ptr, nrow, nrrow, nm, R, P, CH, NC, PP)
-            else:
-                l0 = _load_latent(lat_ptr, row, nmask, 0, R, CH)
-            k0 = _operand(l0, DOT_T, F32)
+            k0 = _operand(_load_latent(lat_ptr, row, nmask, 0, R, CH), DOT_T, F32)
             s = _mma(q0, tl.trans(k0), None, F32)
             if NC > 1:
-                if not PREFETCH:
-                    l1 = _load_latent(lat_ptr, row, nmask, 1, R, CH)
-                k1 = _operand(l1, DOT_T, F32)
+                k1 = _operand(_load_latent(lat_ptr, row, nmask, 1, R, CH), DOT_T, F32)
                 s = _mma(q1, tl.trans(k1), s, F32)
             if NC > 2:
-                if not PREFETCH:
-                    l2 = _load_latent(lat_ptr, row, nmask, 2, R, CH)
-                k2 = _operand(l2, DOT_T, F32)
+                k2 = _operand(_load_latent(lat_ptr, row, nmask, 2, R, CH), DOT_T, F32)
                 s = _mma(q2, tl.trans(k2), s, F32)
             if NC > 3:
-                if not PREFETCH:
-                    l3 = _load_latent(lat_ptr, row, nmask, 3, R, CH)
-                k3 = _operand(l3, DOT_T, F32)
+                k3 = _operand(_load_latent(lat_ptr, row, nmask, 3, R, CH), DOT_T, F32)
                 s = _mma(q3, tl.trans(k3), s, F32)
-            if not PREFETCH:
-                kpe = _load_rope(rope_ptr, rrow, nmask, P, PP)
-            kpe = _operand(kpe, DOT_T, F32)
+            kpe = _operand(_load_rope(rope_ptr, rrow, nmask, P, PP), DOT_T, F32)
         s = _mma(qpe, tl.trans(kpe), s, F32)
         s = s * qk_scale
         s = tl.where((offs[None, :] <= pos[:, None]) & nmask[None, :], s, float("-inf"))
