@@ -2,8 +2,9 @@
 moe_gate.py), activation quantisation and SiLU-and-mul as Triton kernels, plus the token sort that lays routed
 tokens out for the grouped GEMM (contiguous or masked).
 
-rms_norm and apply_rope are one Triton launch each (norm_rope_kernels.py) in place of the reference's chain of
-torch elementwise kernels; shapes and dtypes the kernels do not cover fall back to the reference.
+rms_norm, add_rms_norm, apply_rope and MLA's norm + two ropes (mla_rope_and_norm) are one Triton launch each
+(norm_rope_kernels.py) in place of the reference's chain of torch elementwise kernels; shapes and dtypes the
+kernels do not cover fall back to the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.ops import FusedOps, RoutingSpec, append_shared_experts
+from deepinfer.ops.rope import check_mla_rope_and_norm
 from deepinfer.weights import LinearWeight, WeightFormat
 
 from deepinfer.backends.cuda_sm100 import gemm, moe_gate
@@ -66,6 +68,15 @@ class CudaFusedOps(FusedOps):
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
         return NR.rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_tensor("x", x, dtypes=FLOAT_DTYPES)
+        if x.dim() == 0 or x.shape[-1] > NR.MAX_NORM_DIM or not _triton_device(x):
+            return super().add_rms_norm(x, residual, weight, eps)
+        check_tensor("residual", residual, shape=list(x.shape), dtypes=(x.dtype,), device=x.device)
+        check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
+        return NR.add_rms_norm(x, residual, weight, eps)
+
     def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
                    validate: bool = True) -> torch.Tensor:
         # the reference's checks, in its order
@@ -74,9 +85,29 @@ class CudaFusedOps(FusedOps):
         check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, shape=[None, x.shape[-1]], device=x.device)
         if x.dim() < 2 or x.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES or not _triton_device(x):
             return super().apply_rope(x, positions, cos_sin_cache, interleaved, validate)
-        if validate and x.numel() and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
-            raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
+        if validate and x.numel():
+            self._check_positions(positions, cos_sin_cache)
         return NR.apply_rope(x, positions, cos_sin_cache, interleaved)
+
+    def mla_rope_and_norm(self, q_pe: torch.Tensor, kv: torch.Tensor, kv_norm_weight: torch.Tensor, eps: float,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool, *,
+                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_mla_rope_and_norm(q_pe, kv, kv_norm_weight, positions, cos_sin_cache)
+        # where rms_norm or apply_rope would fall back (or no heads: H is a kernel constant), the reference
+        # composition of those methods
+        if (kv_norm_weight.shape[0] > NR.MAX_NORM_DIM or q_pe.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES
+                or not q_pe.shape[1] or not _triton_device(q_pe)):
+            return super().mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved,
+                                             validate=validate)
+        if validate and kv.shape[0] * q_pe.shape[-1]:  # k_pe.numel(): whether the reference's ropes would check
+            self._check_positions(positions, cos_sin_cache)
+        return NR.mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved)
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+        """apply_rope's range check (a read-back; the kernels write NaN rows for positions outside the cache)."""
+        if positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]:
+            raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """16-bit on the GPU: the Triton flash kernel (prefill_attention_kernels.py; one compile serves every

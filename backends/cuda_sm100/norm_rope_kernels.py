@@ -3,12 +3,17 @@
 rms_norm: one program per block of rows; each row is loaded once, whole (D <= MAX_NORM_DIM), and computed as
 core/ops/norm.py does: x.float(), sum of squares / D, rsqrt(. + eps), (x * r) * w.float(), one rounding to
 x's dtype. The differences from the reference are the order of the row sum (a tree here) and, on the GPU,
-which approximate rsqrt runs, so float32 results agree to a few ulp, not bit for bit.
+which approximate rsqrt runs, so float32 results agree to a few ulp, not bit for bit. add_rms_norm is the same
+kernel (HAS_RESIDUAL) first forming x + residual as PyTorch does (float32 sum, one rounding to x's dtype),
+storing it, and normalising that rounded sum.
 
 apply_rope: one program per block of (token, head) rows of x viewed as [T, H, dim] with any token and head
 strides (a q[..., nope:] slice needs no copy). Same math as core/ops/rope.py, in the same order: the cache
 row [cos half | sin half] of each token's position, pairs (2i, 2i+1) or (i, i + dim/2), a*cos - b*sin and
 b*cos + a*sin in float32 without FMA contraction, one rounding: bit-exact against the reference.
+
+mla_rope_and_norm: MLA's c_kv norm, k_pe rope and q_pe rope in one launch (the same row helpers), one program
+per block of tokens looping over their heads: a decode step's token is one program, a long prefill many.
 
 The launchers assume the callers' validation (CudaFusedOps runs the reference's checks first) and never read
 device values back. A position outside the cache on the GPU (which is not checked there) gives NaN rows
@@ -29,15 +34,21 @@ _NORM_TILE = 4096  # elements per rms_norm program (rows are packed into a block
 _ROPE_TILE = 2048  # pairs per rope program
 
 
-@triton.jit(do_not_specialize=["R"])
-def rms_norm_kernel(x_ptr, w_ptr, o_ptr, R, D, DF, stride_xr, stride_or, eps,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
-    """x [R, D] (row stride stride_xr, unit column stride) -> o [R, D] in o's dtype; DF = float(D)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+@triton.jit
+def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
+                   BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr):
+    """Rows `rows` (< R live) of x [R, D] (unit column stride) -> o in o's dtype. HAS_RESIDUAL: the rows of
+    x + r [R, D], rounded to s's dtype and stored to s, are what gets normalised."""
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(r_ptr + rows64[:, None] * stride_rr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # PyTorch's x + residual: a float32 sum, one rounding; the norm reads the rounded sum back
+        s = _cast(x + res, s_ptr.dtype.element_ty, EXACT)
+        tl.store(s_ptr + rows64[:, None] * stride_sr + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     # mean as sum / D with a correctly rounded division (Triton's `/` is approximate on the GPU)
     ms = tl.math.div_rn(tl.sum(x * x, axis=1), DF)
@@ -47,12 +58,18 @@ def rms_norm_kernel(x_ptr, w_ptr, o_ptr, R, D, DF, stride_xr, stride_or, eps,
 
 
 @triton.jit(do_not_specialize=["R"])
-def rope_kernel(x_ptr, pos_ptr, cache_ptr, o_ptr, R, H, P, stride_xt, stride_xh, stride_p, stride_c,
-                HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
-                EXACT: tl.constexpr):
-    """x [T, H, 2*HALF] (strided, unit last stride), rows r = t * H + h -> o [T*H, 2*HALF] contiguous."""
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr):
+    """x [R, D] (+ r [R, D] into s) -> o [R, D]; DF = float(D); one block of BLOCK_R rows per program."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < R
+    _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
+                   BLOCK_D, HAS_RESIDUAL, EXACT)
+
+
+@triton.jit
+def _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, live, H, P, stride_xt, stride_xh, stride_p, stride_c,
+               HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+    """Rows r = t * H + h (where `live`) of x [T, H, 2*HALF] (strided, unit last stride) -> o [T*H, 2*HALF]."""
     tok = (rows // H).to(tl.int64)
     head = (rows % H).to(tl.int64)
     pos = tl.load(pos_ptr + tok * stride_p, mask=live, other=0).to(tl.int64)
@@ -77,6 +94,38 @@ def rope_kernel(x_ptr, pos_ptr, cache_ptr, o_ptr, R, H, P, stride_xt, stride_xh,
     tl.store(orow + ib[None, :], _cast(out_b, o_ptr.dtype.element_ty, EXACT), mask=mask)
 
 
+@triton.jit(do_not_specialize=["R"])
+def rope_kernel(x_ptr, pos_ptr, cache_ptr, o_ptr, R, H, P, stride_xt, stride_xh, stride_p, stride_c,
+                HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
+                EXACT: tl.constexpr):
+    """x [T, H, 2*HALF] (strided, unit last stride), rows r = t * H + h -> o [T*H, 2*HALF] contiguous."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, rows < R, H, P, stride_xt, stride_xh, stride_p, stride_c,
+               HALF, HALF_P, INTERLEAVED, EXACT)
+
+
+@triton.jit(do_not_specialize=["T"])
+def mla_rope_norm_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr,
+                         T, R, RF, P, stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps,
+                         H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+    """BLOCK_T tokens per program: c_kv [T, R] = RMSNorm(kv[:, :R]), ko [T, 2*HALF] = rope(kpe = kv[:, R:]),
+    then the block's q rows t * H + h, BLOCK_Q at a time, into qo [T*H, 2*HALF]; RF = float(R). H is a model
+    constant: a constant divisor for the rows' token index, and a loop bound the interpreter can evaluate."""
+    t0 = tl.program_id(0) * BLOCK_T
+    toks = t0 + tl.arange(0, BLOCK_T)
+    _rms_norm_rows(kv_ptr, kv_ptr, w_ptr, ckv_ptr, ckv_ptr, toks, T, R, RF, stride_kv, 0, R, 0, eps,
+                   BLOCK_D, False, EXACT)
+    _rope_rows(kpe_ptr, pos_ptr, cache_ptr, ko_ptr, toks, toks < T, 1, P, stride_kv, 0, stride_p, stride_c,
+               HALF, HALF_P, INTERLEAVED, EXACT)
+    # the same trip count in every program: the last block masks its missing tokens
+    for r0 in range(0, BLOCK_T * H, BLOCK_Q):
+        rel = r0 + tl.arange(0, BLOCK_Q)
+        rows = t0 * H + rel
+        _rope_rows(q_ptr, pos_ptr, cache_ptr, qo_ptr, rows, (rel < BLOCK_T * H) & (rows < T * H), H, P, stride_qt,
+                   stride_qh, stride_p, stride_c, HALF, HALF_P, INTERLEAVED, EXACT)
+
+
 def _rows_view(x: torch.Tensor, lead: int) -> torch.Tensor:
     """x viewed as [x.shape[:lead]..., -1, x.shape[-1]] with a unit last stride, copying only if it cannot be."""
     if x.stride(-1) != 1:
@@ -88,23 +137,40 @@ def _rows_view(x: torch.Tensor, lead: int) -> torch.Tensor:
         return x.contiguous().view(shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Validated x [..., D] (D <= MAX_NORM_DIM), weight [D] -> RMSNorm in x's dtype, one launch."""
+def _warps(elems: int) -> int:
+    return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
     d = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
-        return out
+        return out, summed
     x2 = _rows_view(x, 0)
     o2 = out.view(-1, d)
+    # without a residual the kernel never touches r / s: x and out stand in for them
+    r2, s2 = (x2, o2) if residual is None else (_rows_view(residual, 0), summed.view(-1, d))
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     r = x2.shape[0]
     bd = next_pow2(d)
     br = max(1, min(next_pow2(r), _NORM_TILE // bd))
-    warps = 4 if br * bd <= 2048 else 8 if br * bd <= 8192 else 16
-    rms_norm_kernel[(cdiv(r, br),)](x2, w, o2, r, d, float(d), x2.stride(0), o2.stride(0), float(eps),
-                                    BLOCK_R=br, BLOCK_D=bd, EXACT=interpreting(), num_warps=warps,
-                                    enable_fp_fusion=False)
-    return out
+    rms_norm_kernel[(cdiv(r, br),)](x2, r2, w, o2, s2, r, d, float(d), x2.stride(0), r2.stride(0), o2.stride(0),
+                                    s2.stride(0), float(eps), BLOCK_R=br, BLOCK_D=bd,
+                                    HAS_RESIDUAL=residual is not None, EXACT=interpreting(),
+                                    num_warps=_warps(br * bd), enable_fp_fusion=False)
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Validated x [..., D] (D <= MAX_NORM_DIM), weight [D] -> RMSNorm in x's dtype, one launch."""
+    return _rms_norm(x, weight, eps, None)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated x, residual [..., D] of one dtype -> (RMSNorm(x + residual), x + residual), one launch."""
+    return _rms_norm(x, weight, eps, residual)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -127,3 +193,35 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
                                    HALF=half, HALF_P=half_p, BLOCK_R=br, INTERLEAVED=bool(interleaved),
                                    EXACT=interpreting(), num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def mla_rope_and_norm(q_pe: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, interleaved: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validated q_pe [T, H, rope], kv [T, R + rope], weight [R] (R <= MAX_NORM_DIM, even rope) ->
+    (q_pe roped, RMSNorm(kv[:, :R]), kv[:, R:] roped), contiguous, in one launch."""
+    t, heads, rope = q_pe.shape
+    r = weight.shape[0]
+    q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
+    c_kv = torch.empty((t, r), dtype=kv.dtype, device=kv.device)
+    k_out = torch.empty((t, rope), dtype=kv.dtype, device=kv.device)
+    if t == 0:
+        return q_out, c_kv, k_out
+    q3 = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    kv2 = kv if kv.stride(-1) == 1 else kv.contiguous()
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    half = rope // 2
+    half_p = next_pow2(half)
+    bd = next_pow2(r)
+    # Token blocks sized like rms_norm's (8 tokens for R = 512: 2048 programs at a 16k-token prefill); each
+    # program walks its tokens' heads in rope-sized tiles, so one decode token is a single program.
+    bt = max(1, min(next_pow2(t), _NORM_TILE // bd))
+    bq = max(1, min(next_pow2(bt * heads), _ROPE_TILE // half_p))
+    mla_rope_norm_kernel[(cdiv(t, bt),)](
+        q3, kv2, kv2[:, r:], w, positions, cache, q_out, c_kv, k_out,
+        t, r, float(r), cache.shape[0], q3.stride(0), q3.stride(1), kv2.stride(0), positions.stride(0),
+        cache.stride(0), float(eps), H=heads, HALF=half, HALF_P=half_p, BLOCK_T=bt, BLOCK_D=bd, BLOCK_Q=bq,
+        INTERLEAVED=bool(interleaved), EXACT=interpreting(), num_warps=_warps(max(bt * bd, bq * half_p)),
+        enable_fp_fusion=False)  # no FMA: rope bit-exact, as rope_kernel
+    return q_out, c_kv, k_out

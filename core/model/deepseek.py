@@ -80,10 +80,19 @@ class DecoderLayer:
         return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared,
                    placement, ep_group, folded_shared=folded)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on hidden state x + residual (x alone when residual is None) -> (out, residual) whose sum is
+        its output hidden state. Each residual add is fused into the norm that follows it (one launch less per
+        add); the sums are the same roundings as adding first."""
         ops = self.backend.ops
-        h = x + self.self_attn.forward(ops.rms_norm(x, self.input_layernorm, self.eps), ctx, self.index)
-        return h + self.mlp.forward(ops.rms_norm(h, self.post_attention_layernorm, self.eps))
+        if residual is None:
+            normed, residual = ops.rms_norm(x, self.input_layernorm, self.eps), x
+        else:
+            normed, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        attn = self.self_attn.forward(normed, ctx, self.index)
+        normed, residual = ops.add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp.forward(normed), residual
 
 
 class MTPLayer:
@@ -104,7 +113,8 @@ class MTPLayer:
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ops = self.backend.ops
         x = torch.cat([ops.rms_norm(embeds, self.enorm, self.eps), ops.rms_norm(hidden, self.hnorm, self.eps)], dim=-1)
-        return self.block.forward(self.backend.linear(x, self.eh_proj), ctx)
+        out, residual = self.block.forward(self.backend.linear(x, self.eh_proj), ctx)
+        return out + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.backend.ops.rms_norm(hidden, self.head_norm, self.eps)
@@ -140,22 +150,28 @@ class DeepseekModel:
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, hidden]."""
         self._check_positions(ctx)
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
-            x = layer.forward(x, ctx)
-        return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, residual = layer.forward(x, ctx, residual)
+        return self._final_norm(x, residual)
+
+    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final norm of hidden state x + residual (the last layer's add fused into it)."""
+        if residual is None:
+            return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return self.backend.ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def forward_capture(self, input_ids: torch.Tensor, ctx: ForwardContext, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward(), also returning the residual stream after each layer in `capture` (speculative drafters
         such as DSpark read these target features)."""
         self._check_positions(ctx)
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, ctx)
+            x, residual = layer.forward(x, ctx, residual)
             if i in capture:
-                taken[i] = x
-        return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps), [taken[i] for i in capture]
+                taken[i] = x + residual  # the sum the next layer's fused add forms too: the same rounding
+        return self._final_norm(x, residual), [taken[i] for i in capture]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> float32 logits [T, vocab]."""

@@ -89,13 +89,12 @@ class MLAttention:
         else:
             q = be.linear(ops.rms_norm(q_first, self.q_a_layernorm, self.eps), self.q_b_proj)
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        c_kv = ops.rms_norm(kv[:, : self.kv_lora_rank], self.kv_a_layernorm, self.eps)
-        k_pe = kv[:, self.kv_lora_rank :]
-        positions = ctx.positions
-        # Positions come from the step's plan, checked on the host by DeepseekModel.forward.
-        q_pe = ops.apply_rope(q_pe, positions, self.cos_sin_cache, self.rope_interleaved, validate=False)
-        k_pe = ops.apply_rope(k_pe, positions, self.cos_sin_cache, self.rope_interleaved, validate=False)
+        q_nope = q[..., : self.nope]
+        # c_kv = RMSNorm(kv[:, :kv_lora_rank]) and rope of q_pe and k_pe = kv[:, kv_lora_rank:], in one op (one
+        # launch where the backend fuses them). Positions come from the step's plan, checked on the host by
+        # DeepseekModel.forward.
+        q_pe, c_kv, k_pe = ops.mla_rope_and_norm(q[..., self.nope :], kv, self.kv_a_layernorm, self.eps, ctx.positions,
+                                                 self.cos_sin_cache, self.rope_interleaved, validate=False)
 
         cache = ctx.kv_caches[layer]
         be.write_cache(ctx.plan, cache, c_kv, k_pe)

@@ -11,15 +11,15 @@ import torch
 
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
-from deepinfer.ops.norm import rms_norm, silu_and_mul
+from deepinfer.ops.norm import add_rms_norm, rms_norm, silu_and_mul
 from deepinfer.ops.prefill_attention import prefill_attention
-from deepinfer.ops.rope import RopeSpec, YarnScaling, apply_rope, yarn_mscale
+from deepinfer.ops.rope import RopeSpec, YarnScaling, apply_rope, check_mla_rope_and_norm, yarn_mscale
 from deepinfer.ops.routing import RoutingSpec, append_shared_experts, select_experts
 from deepinfer.weights import LinearWeight
 
 __all__ = [
     "FusedOps", "RopeSpec", "YarnScaling", "RoutingSpec",
-    "rms_norm", "silu_and_mul", "apply_rope", "select_experts", "append_shared_experts", "yarn_mscale",
+    "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "select_experts", "append_shared_experts", "yarn_mscale",
     "prefill_attention",
 ]
 
@@ -30,12 +30,31 @@ class FusedOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype)."""
+        return add_rms_norm(x, residual, weight, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
     def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
                    validate: bool = True) -> torch.Tensor:
         return apply_rope(x, positions, cos_sin_cache, interleaved, validate)
+
+    def mla_rope_and_norm(self, q_pe: torch.Tensor, kv: torch.Tensor, kv_norm_weight: torch.Tensor, eps: float,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool, *,
+                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MLA's step between the projections and the cache: q_pe [T, H, rope] and kv [T, R + rope] (the kv_a
+        projection; R = kv_norm_weight.shape[0]), either may be a strided view -> (apply_rope(q_pe),
+        rms_norm(kv[:, :R]), apply_rope(kv[:, R:])), new tensors in their inputs' dtypes. A backend may do all
+        three in one launch."""
+        check_mla_rope_and_norm(q_pe, kv, kv_norm_weight, positions, cos_sin_cache)
+        r = kv_norm_weight.shape[0]
+        c_kv = self.rms_norm(kv[:, :r], kv_norm_weight, eps)
+        q_pe = self.apply_rope(q_pe, positions, cos_sin_cache, interleaved, validate)
+        k_pe = self.apply_rope(kv[:, r:], positions, cos_sin_cache, interleaved, validate)
+        return q_pe, c_kv, k_pe
 
     def select_experts(
         self, router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""RMSNorm and SiLU-and-multiply, with float32 math."""
+"""RMSNorm (alone or after a residual add) and SiLU-and-multiply, with float32 math."""
 
 from __future__ import annotations
 
@@ -16,6 +16,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the sum is rounded to x's dtype (PyTorch's float32 add and one
+    rounding), and the norm reads that rounded sum, as the unfused pair of ops would."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    check_tensor("residual", residual, shape=list(x.shape), dtypes=(x.dtype,), device=x.device)
+    check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

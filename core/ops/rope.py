@@ -110,3 +110,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
         a, b = xf[..., :half], xf[..., half:]
         out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
     return out.to(x.dtype)
+
+
+def check_mla_rope_and_norm(q_pe: torch.Tensor, kv: torch.Tensor, kv_norm_weight: torch.Tensor,
+                            positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Metadata checks of FusedOps.mla_rope_and_norm (its position range check is apply_rope's)."""
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=FLOAT_DTYPES)
+    t, rope = q_pe.shape[0], q_pe.shape[-1]
+    check_tensor("kv_norm_weight", kv_norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=q_pe.device)
+    check_tensor("kv", kv, ndim=2, shape=[t, kv_norm_weight.shape[0] + rope], dtypes=FLOAT_DTYPES, device=q_pe.device)
+    check_tensor("positions", positions, ndim=1, shape=[t], dtypes=(torch.int32, torch.int64), device=q_pe.device)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, shape=[None, rope], device=q_pe.device)

@@ -20,11 +20,11 @@ def _randn(gen, *shape, dtype=torch.float32, device="cpu"):
 def no_norm_rope_fallback(backend_name, monkeypatch):
     """cuda_sm100 must run its Triton kernels for these shapes, not fall back to the reference methods."""
     if backend_name == "cuda_sm100":
-        def fallback(*args, **kwargs):
-            raise AssertionError("cuda_sm100 fell back to the reference rms_norm/apply_rope")
+        for name in ("rms_norm", "add_rms_norm", "apply_rope", "mla_rope_and_norm"):
+            def fallback(*args, name=name, **kwargs):
+                raise AssertionError(f"cuda_sm100 fell back to the reference {name}")
 
-        monkeypatch.setattr(FusedOps, "rms_norm", fallback)
-        monkeypatch.setattr(FusedOps, "apply_rope", fallback)
+            monkeypatch.setattr(FusedOps, name, fallback)
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 5, 200), (13, 512), (2, 7168)])
@@ -65,6 +65,11 @@ def test_rms_norm_matches_reference(backend, gen, layout, rows, d, dtype, w_dtyp
     w = _randn(gen, d, dtype=w_dtype, device=backend.device)
     got = backend.ops.rms_norm(x, w, 1e-6).cpu()
     want = reference_ops.rms_norm(x.cpu(), w.cpu(), 1e-6)
+    _assert_norm_matches(got, want)
+
+
+def _assert_norm_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A backend's RMSNorm output against the reference's (both on the CPU)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     # Same float32 operations in the same order except the row sum of squares, which a kernel adds up in its own
     # (tree) order: mean and rsqrt then differ by a float32 ulp or two, and the output by up to ~3 ulp (measured
@@ -72,7 +77,7 @@ def test_rms_norm_matches_reference(backend, gen, layout, rows, d, dtype, w_dtyp
     # so they match bit for bit except where a few-ulp float32 difference straddles a rounding boundary
     # (<1% of elements; a truncating or double-rounding cast would miss about half of them).
     ulps = _ulps(got, want)
-    if dtype == torch.float32:
+    if got.dtype == torch.float32:
         assert float(ulps.max()) <= 8, float(ulps.max())
     else:
         assert float(ulps.max()) <= 1 and float((got != want).double().mean()) < 0.01
@@ -297,3 +302,139 @@ def test_bad_inputs_raise(backend, gen):
         RoutingSpec(num_experts=8, top_k=9)
     with pytest.raises(InvalidInputError, match="scoring_func"):
         RoutingSpec(num_experts=8, top_k=2, scoring_func="relu")
+
+
+# --- fused residual add + RMSNorm, and MLA's norm + ropes ------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "row_slice", "transposed"])
+@pytest.mark.parametrize("rows,d", [(1, 512), (13, 512), (5, 200), (3, 2048)])
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_add_rms_norm_matches_reference(backend, gen, layout, rows, d, dtype, w_dtype, no_norm_rope_fallback):
+    # the residual stream in each layout with a contiguous x (a branch output), then the other way round
+    for strided_residual in (True, False):
+        strided = _rows(gen, layout, rows, d, dtype, backend.device)
+        dense = _randn(gen, *strided.shape, dtype=dtype, device=backend.device)
+        x, residual = (dense, strided * 3) if strided_residual else (strided, dense * 3)
+        w = _randn(gen, d, dtype=w_dtype, device=backend.device)
+        before = (x.clone(), residual.clone())
+        normed, summed = backend.ops.add_rms_norm(x, residual, w, 1e-6)
+        want_normed, want_summed = reference_ops.add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), 1e-6)
+        # the sum is PyTorch's own `x + residual` bit for bit; the norm reads that rounded sum
+        assert summed.dtype == dtype and summed.shape == x.shape
+        assert torch.equal(summed.cpu(), x.cpu() + residual.cpu()) and torch.equal(want_summed, summed.cpu())
+        _assert_norm_matches(normed.cpu(), want_normed)
+        assert torch.equal(want_normed, reference_ops.rms_norm(want_summed, w.cpu(), 1e-6))
+        assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+def test_add_rms_norm_3d(backend, gen, no_norm_rope_fallback):
+    x = _randn(gen, 3, 5, 200, dtype=torch.bfloat16, device=backend.device)
+    residual = _randn(gen, 5, 3, 200, dtype=torch.bfloat16, device=backend.device).transpose(0, 1)
+    w = _randn(gen, 200, dtype=torch.bfloat16, device=backend.device)
+    normed, summed = backend.ops.add_rms_norm(x, residual, w, 1e-5)
+    want_normed, want_summed = reference_ops.add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), 1e-5)
+    assert torch.equal(summed.cpu(), want_summed)
+    _assert_norm_matches(normed.cpu(), want_normed)
+
+
+def _mla_inputs(gen, t, heads, rank, rope, dtype, device, kv_slice):
+    """q_pe = q[..., nope:] of q [T, H, nope + rope]; kv [T, R + rope], a column slice of the fused q / kv_a
+    projection's output (kv_slice) or a whole tensor."""
+    q = _randn(gen, t, heads, 48 + rope, dtype=dtype, device=device) * 2
+    kv = _randn(gen, t, (72 if kv_slice else 0) + rank + rope, dtype=dtype, device=device) * 2
+    return q[..., 48:], (kv[:, 72:] if kv_slice else kv)
+
+
+def _mla_reference(q_pe, kv, w, eps, pos, cache, interleaved):
+    """What core/model/mla.py did before the fusion, with the reference ops (on the CPU)."""
+    q_pe, kv, w, pos, cache = (a.cpu() for a in (q_pe, kv, w, pos, cache))
+    r = w.shape[0]
+    return (reference_ops.apply_rope(q_pe, pos, cache, interleaved), reference_ops.rms_norm(kv[:, :r], w, eps),
+            reference_ops.apply_rope(kv[:, r:], pos, cache, interleaved))
+
+
+# (T, H, kv_lora_rank, rope): a V3 decode token (heads in two tiles); 13 tokens over two token blocks, the
+# second partly empty; odd dims (3 pairs of rope, a padded norm row); a prefill-like span of many blocks
+MLA_SHAPES = [(1, 128, 512, 64), (13, 16, 512, 64), (37, 3, 24, 6), (200, 5, 512, 64)]
+
+
+@pytest.mark.parametrize("t,heads,rank,rope", MLA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("kv_slice", [True, False])
+def test_mla_rope_and_norm_matches_reference(backend, gen, t, heads, rank, rope, dtype, interleaved, kv_slice,
+                                             no_norm_rope_fallback):
+    dev = backend.device
+    spec = RopeSpec(dim=rope, theta=10000.0, interleaved=interleaved, yarn=YARN if rope == 64 else None)
+    cache = spec.cos_sin_cache(8192, dev)
+    q_pe, kv = _mla_inputs(gen, t, heads, rank, rope, dtype, dev, kv_slice)
+    w = _randn(gen, rank, dtype=dtype, device=dev)
+    before = (q_pe.clone(), kv.clone())
+    for pos_dtype in (torch.int32, torch.int64):
+        pos = torch.randint(0, 8192, (t,), generator=gen, dtype=pos_dtype).to(dev)
+        got_q, got_c, got_k = backend.ops.mla_rope_and_norm(q_pe, kv, w, 1e-6, pos, cache, interleaved,
+                                                            validate=pos_dtype == torch.int64)
+        want_q, want_c, want_k = _mla_reference(q_pe, kv, w, 1e-6, pos, cache, interleaved)
+        # rope: the reference's float32 operations in its order (no FMA), bit for bit; the norm to a few ulp
+        for got, want in ((got_q, want_q), (got_k, want_k)):
+            assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+            assert torch.equal(got.cpu(), want)
+        assert got_c.is_contiguous()
+        _assert_norm_matches(got_c.cpu(), want_c)
+    assert torch.equal(q_pe, before[0]) and torch.equal(kv, before[1])
+
+
+def test_mla_rope_and_norm_mixed_dtypes_and_empty(backend, gen, no_norm_rope_fallback):
+    """A float32 kv with a bf16 query and weight (outputs in their inputs' dtypes), a bf16 cache, and no tokens."""
+    dev = backend.device
+    cache = RopeSpec(dim=16, theta=10000.0).cos_sin_cache(64, dev).to(torch.bfloat16)
+    q_pe, _ = _mla_inputs(gen, 9, 4, 40, 16, torch.bfloat16, dev, True)
+    _, kv = _mla_inputs(gen, 9, 4, 40, 16, torch.float32, dev, True)
+    w = _randn(gen, 40, dtype=torch.bfloat16, device=dev)
+    pos = torch.randint(0, 64, (9,), generator=gen).to(dev)
+    got = backend.ops.mla_rope_and_norm(q_pe, kv, w, 1e-6, pos, cache, False)
+    want = _mla_reference(q_pe, kv, w, 1e-6, pos, cache, False)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[2].cpu(), want[2])
+    _assert_norm_matches(got[1].cpu(), want[1])
+    empty = backend.ops.mla_rope_and_norm(q_pe[:0], kv[:0], w, 1e-6, pos[:0], cache, True)
+    assert [tuple(e.shape) for e in empty] == [(0, 4, 16), (0, 40), (0, 16)]
+
+
+def test_fused_norm_rope_bad_inputs_raise(backend, gen):
+    dev = backend.device
+    x, w = _randn(gen, 4, 8, device=dev), _randn(gen, 8, device=dev)
+    add = backend.ops.add_rms_norm
+    with pytest.raises(InvalidInputError, match="residual"):
+        add(x, _randn(gen, 4, 7, device=dev), w, 1e-6)
+    with pytest.raises(InvalidInputError, match="residual"):
+        add(x, _randn(gen, 4, 8, dtype=torch.bfloat16, device=dev), w, 1e-6)
+    with pytest.raises(InvalidInputError, match="residual"):
+        add(x, torch.empty(4, 8, device="meta"), w, 1e-6)
+    with pytest.raises(InvalidInputError, match="weight"):
+        add(x, _randn(gen, 4, 8, device=dev), _randn(gen, 7, device=dev), 1e-6)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        add(torch.ones(4, 8, dtype=torch.int64, device=dev), torch.ones(4, 8, dtype=torch.int64, device=dev), w, 1e-6)
+
+    cache = RopeSpec(dim=8, theta=10000.0).cos_sin_cache(16, dev)
+    q_pe, kv = _mla_inputs(gen, 4, 2, 24, 8, torch.float32, dev, True)
+    w, pos = _randn(gen, 24, device=dev), torch.arange(4, device=dev)
+    mla = backend.ops.mla_rope_and_norm
+    with pytest.raises(InvalidInputError, match="kv "):
+        mla(q_pe, kv[:, 1:], w, 1e-6, pos, cache, True)
+    with pytest.raises(InvalidInputError, match="kv "):
+        mla(q_pe, kv[:3], w, 1e-6, pos, cache, True)
+    with pytest.raises(InvalidInputError, match="q_pe"):
+        mla(q_pe[:, 0], kv, w, 1e-6, pos, cache, True)
+    with pytest.raises(InvalidInputError, match="kv_norm_weight"):
+        mla(q_pe, kv, w[None], 1e-6, pos, cache, True)
+    with pytest.raises(InvalidInputError, match="positions"):
+        mla(q_pe, kv, w, 1e-6, pos[:3], cache, True)
+    with pytest.raises(InvalidInputError, match="positions"):
+        mla(q_pe, kv, w, 1e-6, torch.tensor([0, 1, 2, 16], device=dev), cache, True)
+    with pytest.raises(InvalidInputError, match="cos_sin_cache"):
+        mla(q_pe, kv, w, 1e-6, pos, cache[:, :6], True)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        mla(q_pe, kv.long(), w, 1e-6, pos, cache, True)
