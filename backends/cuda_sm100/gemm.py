@@ -80,7 +80,8 @@ def _num_sms(device: torch.device) -> int:
 # more, narrower CTAs spread it over more SMs. H200, V2-Lite shapes (benchmarks/gemm_decode.py at 93d74ad and
 # d6f57ec, 8 weight copies per graph, against 64-row tiles): batch 1 (one row per expert) gate/up+SiLU bf16
 # 27.0 vs 31.4 us, FP8 20.7 vs 27.1; down bf16 15.9 vs 17.5, FP8 10.7 vs 12.5; batch 32 (~4 rows per expert)
-# gate/up+SiLU bf16 175.9 vs 194.2, FP8 102.1 vs 130.4, down within 1%; FP8 q/kv_a at one row 10.7 vs 14.3.
+# gate/up+SiLU bf16 175.9 vs 194.2, FP8 102.1 vs 130.4, down FP8 49.9 vs 51.6 but bf16 94.3 vs 90.5 (so bf16
+# down keeps 64-row tiles past 2 rows); FP8 q/kv_a at one row 10.7 vs 14.3.
 DECODE_GROUP_ROWS = 8
 DECODE_ROWS = 16
 
@@ -106,7 +107,7 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
         if decode:  # FP8: 128 columns, one quantisation group
             return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=bk, warps=4, stages=4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
-    if decode and layout != 0:
+    if decode and layout != 0 and (fp8 or rows <= 2):  # bf16 at ~4 rows: 64-row TMA tiles measured faster
         return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=4 if fp8 else 6)
     sms = _num_sms(device)
     if layout != 0 and fp8:  # grouped FP8: the large-M tile below at every group size (H200, 2026-11-29: 8 x 512
