@@ -98,6 +98,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 SMALL_STEP_KEYS = 32768  # below this many keys in a step, latency beats the partials' traffic
+# At most this many keys: 64-key splits (one tile per item). H200, bf16 and FP8 caches, 16 heads
+# (mla_decode.py --sweep, 2026-11-29): 1x1024 11.9 vs 15.4 us for 128-key splits, 1x4096 16.4 vs 17.8, 4x1024
+# 14.9 vs 17.4; past it 128 wins (1x16384 26.6 vs 32.8 us). e2e batch 1 at 1k context: 386.3 vs 378.5 tok/s.
+TINY_STEP_KEYS = 4096
 
 
 def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
@@ -105,14 +109,14 @@ def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
 
     On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
     on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
-    items would leave most SMs idle and the partials are small in absolute terms; 16 under the
-    interpreter; at most 8192.
+    items would leave most SMs idle and the partials are small in absolute terms, and 64 for the fewest
+    (a lone short sequence: its latency is the tiles each item walks); 16 under the interpreter; at most 8192.
     """
     env = os.environ.get("DEEPINFER_MLA_SPLIT_TOKENS")
     if env:
         return _check_split(int(env))
     total = sum(split_lens)
-    lo = (128 if total <= SMALL_STEP_KEYS else 512) if device.type == "cuda" else 16
+    lo = (64 if total <= TINY_STEP_KEYS else 128 if total <= SMALL_STEP_KEYS else 512) if device.type == "cuda" else 16
     target = 2 * _num_sms(device)
     s = lo
     while s < 8192 and cdiv(total, s) > target:
