@@ -354,7 +354,8 @@ class EngineConfig(BaseModel):
     """How the engine runs a model: backend, precision, batch limits and the paged latent cache's size.
 
     The cache holds `kv_cache_memory` bytes when set, else `kv_cache_fraction` of the device's free memory
-    after the weights are loaded (of available host memory on the CPU).
+    after the weights are loaded (of available host memory on the CPU), less what the largest step
+    (a max_num_batched_tokens chunk ending a max_model_len sequence) was measured to allocate on a GPU.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

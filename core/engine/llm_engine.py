@@ -144,7 +144,8 @@ class LLMEngine:
         bytes_per_block = probe.bytes_per_token * ec.block_size * self.model.num_cache_layers
         budget = ec.kv_cache_memory
         if budget is None:
-            budget = int(_free_memory(self.backend.device) * ec.kv_cache_fraction)
+            free = _free_memory(self.backend.device)
+            budget = int(max(0, free - self._step_reserve(kv_dtype, free)) * ec.kv_cache_fraction)
         useful = ec.max_num_seqs * cdiv(self.max_model_len, ec.block_size)
         num_blocks = min(budget // bytes_per_block, useful)
         if num_blocks < 1:
@@ -155,6 +156,17 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, ec.block_size,
                     num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
         return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+
+    def _step_reserve(self, kv_dtype: str, free: int) -> int:
+        """Bytes the largest step allocates beside the cache (measured on GPUs, see memory_profile). Expert-
+        parallel ranks skip it: a lone rank's forward would wait in the MoE all-to-all for the others."""
+        ec = self.engine_config
+        if ec.expert_parallel_size > 1:
+            return 0
+        from deepinfer.engine.memory_profile import peak_step_bytes
+
+        return peak_step_bytes(self.model, self.backend, tokens=ec.max_num_batched_tokens, context=self.max_model_len,
+                               logit_rows=ec.max_num_seqs, block_size=ec.block_size, kv_dtype=kv_dtype, free_bytes=free)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
