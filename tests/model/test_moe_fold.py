@@ -68,8 +68,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
 # (format, activation dtype, intermediate size, tolerance relative to the output's largest value). FP8 needs
 # I % 128 == 0 for the cut; its quantised activations are the same values either way (the per-token 128-wide
 # groups of the shared intermediate fall inside one slice each). bf16: the separate layer rounds the routed
-# sum and the shared output to bf16 before adding them, the folded one rounds once.
-CASES = [("dense", torch.float32, 16, 1e-5), ("dense", torch.bfloat16, 24, 1e-2), ("fp8_block", torch.bfloat16, 128, 1e-2),
+# sum, each shared output and their sums to bf16, the folded one rounds once: two bf16 ulps apart happen near
+# the largest value (2 x 2^-7 of it at the top of a binade, over 1%: seen in CI with two shared slices), so 2%.
+CASES = [("dense", torch.float32, 16, 1e-5), ("dense", torch.bfloat16, 24, 2e-2), ("fp8_block", torch.bfloat16, 128, 2e-2),
          ("nvfp4", torch.float32, 32, 1e-5)]
 
 
