@@ -36,8 +36,11 @@ def test_peak_grows_with_the_chunk_and_the_engine_leaves_it_free(checkpoint, gen
     model = load_model(checkpoint, backend, config=ModelConfig.from_hf_dir(checkpoint), dtype=torch.bfloat16)
     free = torch.cuda.mem_get_info()[0]
     kw = dict(context=512, logit_rows=4, block_size=16, kv_dtype="bf16", free_bytes=free)
+    # The first forward also allocates what stays (cuBLAS's 32 MiB workspace, kernel scratch): part of the
+    # reserve the engine takes, but it would hide the per-token growth compared here.
+    first = peak_step_bytes(model, backend, tokens=32, **kw)
     small, large = (peak_step_bytes(model, backend, tokens=t, **kw) for t in (32, 512))
-    assert 0 < small < large
+    assert first >= small and 0 < small < large
     hidden = model.config.hidden_size
     assert large >= 512 * hidden * 2  # at least the chunk's hidden states
     del model
