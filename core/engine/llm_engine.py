@@ -39,6 +39,8 @@ from deepinfer.transfer import take_rows, to_device
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows whose logits exist at once (the start-up memory profile counts them)
+
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -66,8 +68,8 @@ class _StepLayout:
 
     batch: AttentionBatch
     input_ids: list[int]
-    rows: list[int]  # token rows of the batch whose logits are computed
-    prompt_rows: list[tuple[int, "EngineRequest", int]]  # (index into rows, request, prompt position it scores)
+    rows: list[int]  # token rows of the batch whose logits the runner computes (sampling and drafts)
+    prompt_rows: list[tuple[int, "EngineRequest", int]]  # (token row of the batch, request, prompt position it scores)
     sample_rows: list[tuple[int, object]]  # (index into rows, ScheduledSequence); drafts add rows after it
     offsets: list[int]  # per scheduled sequence: its first token row in the batch
 
@@ -165,8 +167,10 @@ class LLMEngine:
             return 0
         from deepinfer.engine.memory_profile import peak_step_bytes
 
+        # logits of the sampled rows, then one slice of prompt-logprob rows with its log_softmax
         return peak_step_bytes(self.model, self.backend, tokens=ec.max_num_batched_tokens, context=self.max_model_len,
-                               logit_rows=ec.max_num_seqs, block_size=ec.block_size, kv_dtype=kv_dtype, free_bytes=free)
+                               logit_rows=ec.max_num_seqs + 2 * PROMPT_LOGITS_ROWS, block_size=ec.block_size,
+                               kv_dtype=kv_dtype, free_bytes=free)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
@@ -277,10 +281,14 @@ class LLMEngine:
         step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture)
         logits = step_out.logits
         touched: dict[str, EngineRequest] = {}
-        for row_index, req, position in layout.prompt_rows:
-            lps = logits[row_index].log_softmax(-1)
-            req.prompt_logprobs.append(position_logprobs(lps, req.prompt_ids[position], req.params.prompt_logprobs))
-            touched[req.request_id] = req
+        # Prompt logprobs from the step's hidden states a slice of rows at a time: a whole chunk's [rows, vocab]
+        # float32 logits (16k rows x 100k vocabulary: 6.7 GB) would not fit beside a full cache.
+        for first in range(0, len(layout.prompt_rows), PROMPT_LOGITS_ROWS):
+            part = layout.prompt_rows[first : first + PROMPT_LOGITS_ROWS]
+            lps = self.model.compute_logits(take_rows(step_out.hidden, [row for row, _, _ in part])).log_softmax(-1)
+            for lp, (_, req, position) in zip(lps, part):
+                req.prompt_logprobs.append(position_logprobs(lp, req.prompt_ids[position], req.params.prompt_logprobs))
+                touched[req.request_id] = req
         sampled: dict[str, list[int]] = {}
         sample_row: dict[str, int] = {}
         forks: list[tuple[EngineRequest, int, int, int]] = []
@@ -453,8 +461,7 @@ class LLMEngine:
                 # The row of position p scores prompt token p + 1. Positions already recorded (seen again when a
                 # preempted request is recomputed) are skipped.
                 for p in range(max(start, len(req.prompt_logprobs) - 1), min(end, seq.num_prompt_tokens - 1)):
-                    prompt_rows.append((len(rows), req, p + 1))
-                    rows.append(offset + p - start)
+                    prompt_rows.append((offset + p - start, req, p + 1))
             if item.sample:
                 sample_rows.append((len(rows), item))
                 last = offset + item.num_new_tokens - 1

@@ -95,6 +95,22 @@ def test_logprobs_and_greedy_match_transformers(checkpoints, gen, model_type, na
     assert ours.outputs[0].finish_reason == "length"
 
 
+def test_prompt_logprobs_in_slices_and_chunks(checkpoints, gen, monkeypatch):
+    """Prompt log-probs are computed a slice of rows at a time (bounded memory) over prefill chunks: every
+    position still matches transformers' log-softmax."""
+    from deepinfer.engine import llm_engine
+
+    hf, path = checkpoints("deepseek_v3", "v3-qlora-groups", V3_CASES["v3-qlora-groups"])
+    monkeypatch.setattr(llm_engine, "PROMPT_LOGITS_ROWS", 3)
+    llm = LLM(str(path), backend="reference", dtype=torch.float32, max_num_batched_tokens=8)
+    prompt = random_prompt(gen, hf.config.vocab_size, 30)
+    want = hf_logprobs(hf, prompt)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[i][prompt[i]].logprob - float(want[i - 1, prompt[i]])) < 1e-4
+
+
 def test_token_by_token_decode_matches_full_forward(checkpoints, gen):
     hf, path = checkpoints("deepseek_v3", "v3-qlora-groups", V3_CASES["v3-qlora-groups"])
     llm = LLM(str(path), backend="reference", dtype=torch.float32)
