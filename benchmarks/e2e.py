@@ -373,7 +373,7 @@ def main() -> None:
                                 median_step_ms=step_ms, graph_replay_ms=replay)
                 results["cells"].append(cell)
         if args.profile:
-            for batch in (1, 32):
+            for batch in (b for b in (1, 32) if b <= engine.engine_config.max_num_seqs):  # more would queue
                 print(f"  eager decode step, batch {batch}, context {args.contexts[0]}: kernels by CUDA time")
                 profile_eager_step(engine, batch, args.contexts[0], gen)
         for prompt in args.ttft:
