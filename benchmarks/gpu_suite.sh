@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph and sampler tests (8 workers)
 #   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped), gemm_decode, prefill_attention
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
+#   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (DEEPINFER_PDL=1): the graph and greedy-
+#                                        # equality tests with it, then decode at batch 1 / 32 with and without
 # Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
 # so one call (device time is budgeted per session) brings back every number it could take.
 set -u
@@ -12,6 +14,18 @@ LEVEL=${1:-tests}
 source benchmarks/device_env.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 rev=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 echo "# gpu_suite $LEVEL at $rev, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+if [ "$LEVEL" = pdl ]; then
+    DEEPINFER_PDL=1 DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 240 python3 -m pytest -q -n 8 \
+        tests/engine/test_cuda_graphs.py tests/conformance/test_model_logits.py tests/conformance/test_moe_fused_paths.py \
+        > "$OUT/tests_pdl.log" 2>&1
+    echo "tests with PDL: $(grep -E 'passed|failed' "$OUT/tests_pdl.log" | tail -1)"
+    for pdl in 0 1; do
+        DEEPINFER_PDL=$pdl timeout 200 python3 benchmarks/e2e.py --batches 1 32 --contexts 1024 --ttft --no-peer \
+            > "$OUT/e2e_pdl$pdl.log" 2>&1
+        echo "DEEPINFER_PDL=$pdl:"; grep -E '^==|^\s+[0-9]+\s+[0-9]+ ' "$OUT/e2e_pdl$pdl.log" | cut -c1-120
+    done
+    exit 0
+fi
 
 DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q -n 8 tests/conformance tests/engine/test_cuda_graphs.py \
     tests/engine/test_sampler.py > "$OUT/tests.log" 2>&1

@@ -317,6 +317,7 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     if not _usable(plan, cache):
         return ref.write_cache(plan, cache, c_kv, k_pe)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
     k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
@@ -326,7 +327,7 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     bt = 256 if interp else 16
     K.mla_write_kernel[(cdiv(n, bt),)](
         c_kv, k_pe, plan.slot_mapping, n, c_kv.stride(0), k_pe.stride(0), *views,
-        **_dims(spec), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4,
+        **_dims(spec), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4, **launch_kwargs(),
     )
 
 
@@ -350,6 +351,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
     if not _usable(plan, cache):
         return ref.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse, batch_invariant)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
@@ -390,7 +392,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
             plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
             R=spec.kv_lora_rank, HB=hb, DC=dc, ST=16, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
-            num_warps=4,
+            num_warps=4, **launch_kwargs(),
         )
     return (out, lse) if return_lse else out
 
@@ -459,11 +461,13 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
 
 
 def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
     key = cfg.pop("_key", None)
     if key is None:
         cfg.setdefault("FOLD", fold_ok(cfg["BM"]))
         cfg.setdefault("CVT", 0)
-        kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]))
+        kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]), **launch_kwargs())
         return
     shape_key = (key, tuple(sorted(consts.items())))
     start = _chosen.get(shape_key, 0)
@@ -474,7 +478,8 @@ def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
         if c["BM"] != cfg["BM"]:
             continue
         try:
-            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold_ok(c["BM"]), CVT=0)
+            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold_ok(c["BM"]), CVT=0,
+                         **launch_kwargs())
             _chosen[shape_key] = i
             return
         except OutOfResources:

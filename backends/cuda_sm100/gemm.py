@@ -31,6 +31,7 @@ from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
 
 from deepinfer.backends.cuda_sm100 import gemm_kernels as K
+from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
 BLOCK = quant.FP8_BLOCK
 
@@ -182,7 +183,7 @@ def quantize_fp8(x: torch.Tensor, column_major_scales: bool = False) -> tuple[to
     if m:
         bm = 16 if interpreting() else 8
         K.quant_fp8_kernel[(cdiv(m, bm), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                                     BLOCK_M=bm, GROUP=BLOCK, num_warps=4)
+                                                     BLOCK_M=bm, GROUP=BLOCK, num_warps=4, **launch_kwargs())
     return q, s
 
 
@@ -259,12 +260,12 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         G_P=next_pow2(max(groups, 1)), IMPRECISE=cfg.imprecise, WS=cfg.ws, STAGES=cfg.stages,
         K_ITERS=cdiv(k, cfg.bk) // split if interpreting() else 0, EXACT=interpreting(),
         SCALAR_BS=BLOCK % cfg.bn == 0 and (not fused or n % BLOCK == 0),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch_kwargs(),
     )
     if split > 1:
         block = 1024
         K.splitk_reduce_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=split, BLOCK=block,
-                                                                      EXACT=interpreting())
+                                                                      EXACT=interpreting(), **launch_kwargs())
     return out
 
 
@@ -444,7 +445,8 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
         bn = BLOCK if quantize else min(1024, next_pow2(n))
         K.silu_mul_kernel[(cdiv(r, br), cdiv(n, bn))](
             x2, out, r, n, x2.stride(0), out.stride(0), BLOCK_R=br, BLOCK_N=bn, QUANT=quantize,
-            s_ptr=scale, stride_sr=scale.stride(0), stride_sk=scale.stride(1), EXACT=interpreting(), num_warps=4)
+            s_ptr=scale, stride_sr=scale.stride(0), stride_sk=scale.stride(1), EXACT=interpreting(), num_warps=4,
+            **launch_kwargs())
     if quantize:
         return out.reshape(*x.shape[:-1], n), scale.reshape(*x.shape[:-1], n // BLOCK)
     return out.reshape(*x.shape[:-1], n)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100.pdl import enter
+
 FP8_MAX = tl.constexpr(448.0)
 
 
@@ -59,8 +61,9 @@ def _quantize_rows(x, mask):
 
 @triton.jit(do_not_specialize=["M"])
 def quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-                     BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+                     BLOCK_M: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False):
     """x [M, K] float -> q [M, K] e4m3, s (strided, [M, ceil(K/GROUP)] logical) fp32; one group column per program."""
+    enter(PDL)
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,13 +137,14 @@ def gemm_kernel(
     COMPUTE: tl.constexpr, IEEE: tl.constexpr, ROUND_OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, G_P: tl.constexpr,
     IMPRECISE: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr, K_ITERS: tl.constexpr, EXACT: tl.constexpr,
-    SCALAR_BS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    SCALAR_BS: tl.constexpr, IS_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """C = A @ B^T per tile. N is the number of output columns (I when FUSE_SILU: B then has 2N rows).
 
     With IS_SPLIT, program_id(1) takes one of SPLIT_K (a runtime value: no recompile per split) slices of
     the K blocks and writes float32 partials to c_ptr + pid_k * stride_cw (summed by splitk_reduce_kernel).
     """
+    enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
@@ -292,8 +296,10 @@ def gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["MN"])
-def splitk_reduce_kernel(w_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+def splitk_reduce_kernel(w_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """c = sum over the split-K partials w [SPLIT_K, M*N] (fixed order: deterministic)."""
+    enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -304,8 +310,9 @@ def splitk_reduce_kernel(w_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def silu_mul_kernel(x_ptr, o_ptr, R, N, stride_xr, stride_or, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    QUANT: tl.constexpr, s_ptr, stride_sr, stride_sk, EXACT: tl.constexpr):
+                    QUANT: tl.constexpr, s_ptr, stride_sr, stride_sk, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """[R, 2N] (gate | up) -> silu(gate) * up [R, N] in o's dtype; with QUANT (BLOCK_N == 128) e4m3 + scales."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < R) & (cols[None, :] < N)

@@ -17,6 +17,8 @@ has no arrays of tensors; rank <= 512 is therefore the kernels' limit (attention
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100.pdl import enter
+
 LOG2E = 1.4426950408889634  # host side: softmax_scale * LOG2E is the kernels' qk_scale (exp2 domain)
 _LN2 = tl.constexpr(0.6931471805599453)
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -61,9 +63,10 @@ def mla_write_kernel(
     lat_ptr, scl_ptr, rope_ptr,
     lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
-    BT: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr,
+    BT: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """BT tokens per program: token t's (c_kv, k_pe) -> cache slot slot_ptr[t] (FP8: quantised per 128)."""
+    enter(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < n_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
@@ -222,6 +225,7 @@ def mla_attn_kernel(
     R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, MAX_SPAN: tl.constexpr,
     DOT_T: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr, CVT: tl.constexpr, F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program = one work item (a sequence's KV range [kv_lo, kv_hi)) x one tile of BM query rows.
 
@@ -230,6 +234,7 @@ def mla_attn_kernel(
     slot == -1 write the normalised output and lse directly; slot >= 0 writes float32 partials at partial
     rows slot + j for the combine kernel; slot < -1 is capacity padding and does nothing.
     """
+    enter(PDL)
     item = tl.program_id(0)
     seq = tl.load(items_ptr + item * 4)
     kv_lo = tl.load(items_ptr + item * 4 + 1)
@@ -397,11 +402,12 @@ def mla_attn_kernel(
 def mla_combine_kernel(
     tok_seq_ptr, meta_ptr, meta_stride, po_ptr, plse_ptr, out_ptr, lse_ptr, o_st, o_sh, H,
     R: tl.constexpr, HB: tl.constexpr, DC: tl.constexpr, ST: tl.constexpr, INTERP: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge the split partials of token t, heads [h0, h0 + HB), columns [d0, d0 + DC): softmax-weighted by
     each split's lse, in split order (the result does not depend on the rest of the batch). Tokens of
     sequences without partials (first slot -1) were written directly by the attention kernel: skipped."""
+    enter(PDL)
     t = tl.program_id(0)
     hs = tl.program_id(1) * HB + tl.arange(0, HB)
     cols = tl.program_id(2) * DC + tl.arange(0, DC)

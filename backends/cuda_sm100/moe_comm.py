@@ -52,6 +52,7 @@ def _dispatch_small(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
     row_of_pair [T, k] int32)."""
     from deepinfer.backends.cuda_sm100 import routing_kernels as RK
     from deepinfer.backends.cuda_sm100.gemm import interpreting, next_pow2
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     t, k = topk_ids.shape
     p, h = t * k, x.shape[1]
@@ -68,13 +69,14 @@ def _dispatch_small(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
     RK.dispatch_small_kernel[grid](ids, x, rows, sizes, row_of_pair, p, x.stride(0), rows.stride(0),
                                    E=num_experts, E_P=next_pow2(num_experts), TOPK=k, H=h, BP=bp, HB=_HB,
                                    BH=min(bh, _HB), CH=256 if p <= 256 else 1024, P_C=p if interpreting() else -1,
-                                   num_warps=4)
+                                   num_warps=4, **launch_kwargs())
     return rows, sizes, row_of_pair.reshape(t, k)
 
 
 def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
     from deepinfer.backends.cuda_sm100 import routing_kernels as RK
     from deepinfer.backends.cuda_sm100.gemm import cdiv, next_pow2
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     state: LocalState = dispatched.state
     rows = dispatched.hidden.shape[0]
@@ -86,5 +88,5 @@ def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.T
         y = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
         bh = min(1024, next_pow2(h))
         RK.combine_kernel[(t, cdiv(h, bh))](y, state.row_of_pair, state.topk_weights, out, h, y.stride(0), out.stride(0),
-                                            K=k, BH=bh, num_warps=4)
+                                            K=k, BH=bh, num_warps=4, **launch_kwargs())
     return Pending.ready(out)

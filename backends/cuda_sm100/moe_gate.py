@@ -18,6 +18,7 @@ from deepinfer.ops import RoutingSpec
 
 from deepinfer.backends.cuda_sm100 import routing_kernels as RK
 from deepinfer.backends.cuda_sm100.gemm import cdiv, next_pow2
+from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
 MAX_EXPERTS = 1024  # the gate keeps one token's experts in registers
 # The one-launch gate recomputes nothing per token but reads the router weight once per token block: beyond a
@@ -65,7 +66,8 @@ def select(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None, s
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     bt = max(1, min(16, 2048 // _padded_experts(spec), next_pow2(t)))
     RK.route_kernel[(cdiv(t, bt),)](logits, bias if bias is not None else logits, weights, ids, t, logits.stride(0),
-                                    **_route_consts(spec, bias is not None, shared), BT=bt, num_warps=4)
+                                    **_route_consts(spec, bias is not None, shared), BT=bt, num_warps=4,
+                                    **launch_kwargs())
     return weights, ids
 
 
@@ -95,5 +97,6 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, spec: RoutingSpec, bias: tor
     n_eb = cdiv(e, be)
     RK.gate_route_kernel[(cdiv(t, bt), n_eb)](
         x, gate, logits, tickets, bias if bias is not None else gate, weights, ids, t, x.stride(0),
-        H=h, BE=be, BH=bh, N_EB=n_eb, **_route_consts(spec, bias is not None, shared), BT=bt, num_warps=4)
+        H=h, BE=be, BH=bh, N_EB=n_eb, **_route_consts(spec, bias is not None, shared), BT=bt, num_warps=4,
+        **launch_kwargs())
     return weights, ids

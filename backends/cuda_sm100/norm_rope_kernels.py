@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100.pdl import enter, launch_kwargs
+
 from deepinfer.backends.cuda_sm100.gemm import cdiv, interpreting, next_pow2
 from deepinfer.backends.cuda_sm100.gemm_kernels import _cast
 
@@ -59,8 +61,10 @@ def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr,
 
 @triton.jit(do_not_specialize=["R"])
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """x [R, D] (+ r [R, D] into s) -> o [R, D]; DF = float(D); one block of BLOCK_R rows per program."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
                    BLOCK_D, HAS_RESIDUAL, EXACT)
@@ -97,8 +101,9 @@ def _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, live, H, P, stride_xt, st
 @triton.jit(do_not_specialize=["R"])
 def rope_kernel(x_ptr, pos_ptr, cache_ptr, o_ptr, R, H, P, stride_xt, stride_xh, stride_p, stride_c,
                 HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
-                EXACT: tl.constexpr):
+                EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """x [T, H, 2*HALF] (strided, unit last stride), rows r = t * H + h -> o [T*H, 2*HALF] contiguous."""
+    enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, rows < R, H, P, stride_xt, stride_xh, stride_p, stride_c,
                HALF, HALF_P, INTERLEAVED, EXACT)
@@ -108,10 +113,12 @@ def rope_kernel(x_ptr, pos_ptr, cache_ptr, o_ptr, R, H, P, stride_xt, stride_xh,
 def mla_rope_norm_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr,
                          T, R, RF, P, stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps,
                          H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """BLOCK_T tokens per program: c_kv [T, R] = RMSNorm(kv[:, :R]), ko [T, 2*HALF] = rope(kpe = kv[:, R:]),
     then the block's q rows t * H + h, BLOCK_Q at a time, into qo [T*H, 2*HALF]; RF = float(R). H is a model
     constant: a constant divisor for the rows' token index, and a loop bound the interpreter can evaluate."""
+    enter(PDL)
     t0 = tl.program_id(0) * BLOCK_T
     toks = t0 + tl.arange(0, BLOCK_T)
     _rms_norm_rows(kv_ptr, kv_ptr, w_ptr, ckv_ptr, ckv_ptr, toks, T, R, RF, stride_kv, 0, R, 0, eps,
@@ -158,7 +165,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
     rms_norm_kernel[(cdiv(r, br),)](x2, r2, w, o2, s2, r, d, float(d), x2.stride(0), r2.stride(0), o2.stride(0),
                                     s2.stride(0), float(eps), BLOCK_R=br, BLOCK_D=bd,
                                     HAS_RESIDUAL=residual is not None, EXACT=interpreting(),
-                                    num_warps=_warps(br * bd), enable_fp_fusion=False)
+                                    num_warps=_warps(br * bd), enable_fp_fusion=False,
+                                    **launch_kwargs())
     return out, summed
 
 
@@ -191,7 +199,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     rope_kernel[(cdiv(rows, br),)](x3, positions, cache, out, rows, heads, cache.shape[0],
                                    x3.stride(0), x3.stride(1), positions.stride(0), cache.stride(0),
                                    HALF=half, HALF_P=half_p, BLOCK_R=br, INTERLEAVED=bool(interleaved),
-                                   EXACT=interpreting(), num_warps=4, enable_fp_fusion=False)
+                                   EXACT=interpreting(), num_warps=4, enable_fp_fusion=False,
+                                   **launch_kwargs())
     return out
 
 
@@ -223,5 +232,5 @@ def mla_rope_and_norm(q_pe: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor
         t, r, float(r), cache.shape[0], q3.stride(0), q3.stride(1), kv2.stride(0), positions.stride(0),
         cache.stride(0), float(eps), H=heads, HALF=half, HALF_P=half_p, BLOCK_T=bt, BLOCK_D=bd, BLOCK_Q=bq,
         INTERLEAVED=bool(interleaved), EXACT=interpreting(), num_warps=_warps(max(bt * bd, bq * half_p)),
-        enable_fp_fusion=False)  # no FMA: rope bit-exact, as rope_kernel
+        enable_fp_fusion=False, **launch_kwargs())  # no FMA: rope bit-exact, as rope_kernel
     return q_out, c_kv, k_out

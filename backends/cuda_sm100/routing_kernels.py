@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100.pdl import enter
+
 
 @triton.jit
 def _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, stride_t,
@@ -100,7 +102,8 @@ def route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t,
                  E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
                  TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+                 RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, stride_t, E, EPG, G, G_P, EPG_P, TOPK, SHARED, K_P, S_P,
                   TOPK_GROUP, SOFTMAX, GROUPED, TOP2_SUM, HAS_BIAS, RENORM, SCALE, BT, "")
@@ -112,7 +115,7 @@ def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, 
                       E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
                       TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr):
+                      RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """The whole gate for few tokens in one launch: logits = x.float() @ gate^T, then _route_tokens.
 
     Program (i, j) computes token block i's float32 logits for experts [j*BE, (j+1)*BE) into `logits_ptr`
@@ -122,6 +125,7 @@ def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, 
     routes the block, then resets the ticket to 0 for the next launch. Every logit is one program's
     fixed-order sum, so the result does not depend on which program finishes last.
     """
+    enter(PDL)
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     tok = pid_t * BT + tl.arange(0, BT)
@@ -207,9 +211,11 @@ def sort_scatter_kernel(ids_ptr, base_ptr, slot_ptr, pair_ptr, P, E, cap, E_P: t
 
 
 @triton.jit
-def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BH: tl.constexpr):
+def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BH: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """out[t] = sum_j w[t, j] * y[row[t, j]] in float32, one program per (token, column block): the gather,
     weighting and reduction of a local MoE combine in one launch. row < 0 (dropped pair) adds nothing."""
+    enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     m = cols < H
@@ -225,7 +231,8 @@ def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.
 @triton.jit
 def dispatch_small_kernel(ids_ptr, x_ptr, rows_ptr, sizes_ptr, row_of_pair_ptr, P, stride_x, stride_r,
                           E: tl.constexpr, E_P: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr,
-                          BP: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, P_C: tl.constexpr):
+                          BP: tl.constexpr, HB: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, P_C: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """A local dispatch for few pairs in one launch: the stable counting sort of sort_*_kernel (contiguous
     layout) and the gather of the hidden rows.
 
@@ -235,6 +242,7 @@ def dispatch_small_kernel(ids_ptr, x_ptr, rows_ptr, sizes_ptr, row_of_pair_ptr, 
     hidden columns [c*HB, (c+1)*HB). Column block 0 writes row_of_pair; program (0, 0) the group sizes.
     P_C: P as a constexpr under the interpreter (whose loops need a Python int bound), else -1.
     """
+    enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     first_pair = b * BP

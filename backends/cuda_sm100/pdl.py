@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (Hopper and later), opt-in with DEEPINFER_PDL=1.
+
+A decode step at batch 1 is a chain of ~15 small launches per layer, each paying its launch and ramp-up in
+full after the previous kernel drains. With PDL a kernel may be scheduled while its predecessor still runs:
+every kernel here starts with `enter`, which waits for the previous grid to finish and flush its memory
+(griddepcontrol.wait) before anything else, then lets its own successor launch (griddepcontrol.launch_dependents).
+Nothing is read or written before the wait, so stream order holds as without PDL; what overlaps is the launch
+and the CTAs' arrival. A kernel after a launch without PDL (cuBLAS, torch ops) simply starts when that one ends.
+
+Off by default until measured on the GPU (benchmarks/e2e.py with and without DEEPINFER_PDL=1); never under the
+Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def launch_kwargs() -> dict:
+    """Extra launch arguments for a PDL-capable kernel: {} unless DEEPINFER_PDL=1 on an SM90+ GPU."""
+    if os.environ.get("DEEPINFER_PDL", "0") != "1" or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        return {}
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a PDL-capable kernel (see the module docstring)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
