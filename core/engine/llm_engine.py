@@ -286,8 +286,13 @@ class LLMEngine:
         for first in range(0, len(layout.prompt_rows), PROMPT_LOGITS_ROWS):
             part = layout.prompt_rows[first : first + PROMPT_LOGITS_ROWS]
             lps = self.model.compute_logits(take_rows(step_out.hidden, [row for row, _, _ in part])).log_softmax(-1)
-            for lp, (_, req, position) in zip(lps, part):
-                req.prompt_logprobs.append(position_logprobs(lp, req.prompt_ids[position], req.params.prompt_logprobs))
+            chosen = [req.prompt_ids[position] for _, req, position in part]
+            top = max(req.params.prompt_logprobs for _, req, _ in part)
+            stats = logprob_stats(lps, to_device(chosen, torch.int64, lps.device), top)
+            chosen_lp, rank, values, ids = (t.tolist() for t in stats)  # the slice's numbers in one transfer each
+            for j, (_, req, _) in enumerate(part):
+                req.prompt_logprobs.append(assemble_logprobs(chosen[j], chosen_lp[j], rank[j], values[j], ids[j],
+                                                             req.params.prompt_logprobs))
                 touched[req.request_id] = req
         sampled: dict[str, list[int]] = {}
         sample_row: dict[str, int] = {}

@@ -109,6 +109,18 @@ def test_prompt_logprobs_in_slices_and_chunks(checkpoints, gen, monkeypatch):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
         assert abs(out.prompt_logprobs[i][prompt[i]].logprob - float(want[i - 1, prompt[i]])) < 1e-4
+    # Requests asking for different top-N share a slice: each gets its own N, ranked by transformers' order.
+    other = random_prompt(gen, hf.config.vocab_size, 12)
+    outs = llm.generate([prompt, other], [SamplingParams(max_tokens=1, prompt_logprobs=n) for n in (1, 4)])
+    for o, ids, n in zip(outs, (prompt, other), (1, 4)):
+        ref = hf_logprobs(hf, ids)
+        for i in range(1, len(ids)):
+            entry = o.prompt_logprobs[i]
+            values, top = torch.topk(ref[i - 1], n + 1)
+            if (values[:-1] - values[1:]).min() < 1e-4:  # a near-tie: either order is right
+                continue
+            top = top[:n].tolist()
+            assert set(entry) == {ids[i], *top} and all(entry[t].rank == r for r, t in enumerate(top, start=1))
 
 
 def test_token_by_token_decode_matches_full_forward(checkpoints, gen):
