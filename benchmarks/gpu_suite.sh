@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures the GPU path, logs under $OUT (or ./gpu_suite_out):
-#   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph and sampler tests (8 workers)
+#   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph, sampler, memory-profile tests
 #   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped), gemm_decode, prefill_attention
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 #   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (DEEPINFER_PDL=1): the graph and greedy-
@@ -28,7 +28,7 @@ if [ "$LEVEL" = pdl ]; then
 fi
 
 DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q -n 8 tests/conformance tests/engine/test_cuda_graphs.py \
-    tests/engine/test_sampler.py > "$OUT/tests.log" 2>&1
+    tests/engine/test_sampler.py tests/engine/test_memory_profile.py > "$OUT/tests.log" 2>&1
 echo "tests: $(grep -E 'passed|failed' "$OUT/tests.log" | tail -1)"
 grep -E '^FAILED' "$OUT/tests.log" | head -10
 [ "$LEVEL" = tests ] && exit 0
