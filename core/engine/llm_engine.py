@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.attention import AttentionBatch, KVCacheSpec
+from deepinfer.attention import AttentionBatch
 from deepinfer.backend import Backend
 from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.cuda_graphs import default_batch_sizes
+from deepinfer.engine.memory_profile import kv_cache_spec
 from deepinfer.engine.outputs import PositionLogprobs, RequestOutput
 from deepinfer.engine.overlap import InFlightStep, pending_input
 from deepinfer.engine.request_state import FINISH_REASON, EngineRequest, completion_seed
@@ -31,7 +32,6 @@ from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence, SequenceStatus
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.deepseek import DeepseekModel
-from deepinfer.quant import cdiv
 from deepinfer.spec.drafter import DraftRequest, Observation
 from deepinfer.spec.metrics import SpecDecodeStats
 from deepinfer.spec.verifier import VerifyContext, verify
@@ -87,7 +87,8 @@ class LLMEngine:
         self.max_model_len = max_model_len or engine_config.max_model_len or self.config.max_position_embeddings
         act = model.embed_tokens.dtype
         kv_dtype = engine_config.kv_cache_dtype or {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
-        spec = self._size_cache(kv_dtype)
+        spec = kv_cache_spec(self.model, backend, engine_config, self.max_model_len, kv_dtype,
+                             logit_rows=engine_config.max_num_seqs + 2 * PROMPT_LOGITS_ROWS)
         self.runner = ModelRunner(model, backend, spec, self._graph_batch_sizes(), self.max_model_len)
         from deepinfer.spec.speculator import build_speculator
 
@@ -138,39 +139,6 @@ class LLMEngine:
 
             tokenizer = Tokenizer.from_folder(path)
         return cls(model, backend, engine_config, tokenizer, max_model_len, speculator)
-
-    def _size_cache(self, kv_dtype: str) -> KVCacheSpec:
-        """Blocks that fit the memory budget, capped at what max_num_seqs full-length sequences could use."""
-        ec, c = self.engine_config, self.config
-        probe = KVCacheSpec(1, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
-        bytes_per_block = probe.bytes_per_token * ec.block_size * self.model.num_cache_layers
-        budget = ec.kv_cache_memory
-        if budget is None:
-            free = _free_memory(self.backend.device)
-            budget = int(max(0, free - self._step_reserve(kv_dtype, free)) * ec.kv_cache_fraction)
-        useful = ec.max_num_seqs * cdiv(self.max_model_len, ec.block_size)
-        num_blocks = min(budget // bytes_per_block, useful)
-        if num_blocks < 1:
-            raise InvalidInputError(
-                f"the KV cache budget of {budget} bytes holds no block of {ec.block_size} tokens "
-                f"({bytes_per_block} bytes over {self.model.num_cache_layers} layers); raise kv_cache_memory"
-            )
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, ec.block_size,
-                    num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
-        return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
-
-    def _step_reserve(self, kv_dtype: str, free: int) -> int:
-        """Bytes the largest step allocates beside the cache (measured on GPUs, see memory_profile). Expert-
-        parallel ranks skip it: a lone rank's forward would wait in the MoE all-to-all for the others."""
-        ec = self.engine_config
-        if ec.expert_parallel_size > 1:
-            return 0
-        from deepinfer.engine.memory_profile import peak_step_bytes
-
-        # logits of the sampled rows, then one slice of prompt-logprob rows with its log_softmax
-        return peak_step_bytes(self.model, self.backend, tokens=ec.max_num_batched_tokens, context=self.max_model_len,
-                               logit_rows=ec.max_num_seqs + 2 * PROMPT_LOGITS_ROWS, block_size=ec.block_size,
-                               kv_dtype=kv_dtype, free_bytes=free)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
@@ -588,11 +556,3 @@ class LLMEngine:
                 if self.speculator:
                     self.speculator.release(seq_id)
 
-
-def _free_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 30

@@ -1,4 +1,5 @@
-"""What the largest step needs beside the weights and the KV cache, measured once at start-up on a GPU.
+"""The KV cache's size: what the largest step needs beside the weights and the cache, measured once at start-up
+on a GPU, and the blocks that the rest of the memory budget holds.
 
 The cache takes a fraction of the memory left after loading; whatever a forward allocates must still fit
 beside it, or the first long prompt runs the device out of memory mid-serving. The largest step the
@@ -12,11 +13,14 @@ also compiles the prefill kernels, which a first long prompt would otherwise wai
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from deepinfer.attention import AttentionBatch, KVCacheSpec
 from deepinfer.backend import Backend
+from deepinfer.config import EngineConfig
+from deepinfer.errors import InvalidInputError
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.quant import cdiv
@@ -63,3 +67,40 @@ def peak_step_bytes(model: DeepseekModel, backend: Backend, *, tokens: int, cont
     logger.info("memory profile: a %d-token chunk ending a %d-token sequence peaks at %.2f GiB beside the cache",
                 tokens, profiled, peak / 2**30)
     return max(0, peak)
+
+
+def kv_cache_spec(model: DeepseekModel, backend: Backend, ec: EngineConfig, max_model_len: int, kv_dtype: str, *,
+                  logit_rows: int) -> KVCacheSpec:
+    """Blocks that fit the budget (kv_cache_memory, else kv_cache_fraction of the free memory less the largest
+    step's measured allocation), capped at what max_num_seqs full-length sequences could use. logit_rows: the
+    float32 logits rows a step may hold at once. Expert-parallel ranks skip the measurement: a lone rank's
+    forward would wait in the MoE all-to-all for the others."""
+    c = model.config
+    probe = KVCacheSpec(1, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+    bytes_per_block = probe.bytes_per_token * ec.block_size * model.num_cache_layers
+    budget = ec.kv_cache_memory
+    if budget is None:
+        free = _free_memory(backend.device)
+        reserve = 0 if ec.expert_parallel_size > 1 else peak_step_bytes(
+            model, backend, tokens=ec.max_num_batched_tokens, context=max_model_len, logit_rows=logit_rows,
+            block_size=ec.block_size, kv_dtype=kv_dtype, free_bytes=free)
+        budget = int(max(0, free - reserve) * ec.kv_cache_fraction)
+    useful = ec.max_num_seqs * cdiv(max_model_len, ec.block_size)
+    num_blocks = min(budget // bytes_per_block, useful)
+    if num_blocks < 1:
+        raise InvalidInputError(
+            f"the KV cache budget of {budget} bytes holds no block of {ec.block_size} tokens "
+            f"({bytes_per_block} bytes over {model.num_cache_layers} layers); raise kv_cache_memory"
+        )
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, ec.block_size,
+                num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
+    return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30
