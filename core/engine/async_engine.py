@@ -19,8 +19,16 @@ from deepinfer.errors import DeepInferError
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(DeepInferError, RuntimeError):
+class EngineError(DeepInferError, RuntimeError):
+    """The engine could not serve a request."""
+
+
+class EngineDeadError(EngineError):
     """The engine loop failed; no request can make progress."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this request (its step ran out of device memory) and goes on serving the others."""
 
 
 class AsyncLLMEngine:
@@ -69,6 +77,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                if isinstance(item, RequestFailedError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item}") from item
                 yield item
@@ -113,8 +123,8 @@ class AsyncLLMEngine:
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
-                        if out.finished:
+                        queue.put_nowait(out if out.error is None else RequestFailedError(out.error))
+                        if out.finished or out.error is not None:
                             self._streams.pop(out.request_id, None)
                 await asyncio.sleep(0)  # let handlers run between steps
         except asyncio.CancelledError:

@@ -39,6 +39,11 @@ from deepinfer.transfer import take_rows, to_device
 
 logger = logging.getLogger(__name__)
 
+
+class _ForwardOutOfMemory(Exception):
+    """A step's forward ran out of device memory (raised before the step changed any request's state)."""
+
+
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows whose logits exist at once (the start-up memory profile counts them)
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -227,18 +232,48 @@ class LLMEngine:
         outputs are those of the previous step, resolved while this one runs on the device."""
         pending, self._inflight = self._inflight, None
         plan = self.scheduler.schedule()
-        if plan.scheduled and self._can_defer(plan):
-            launched = self._launch(plan, pending)
+        outputs = None
+        try:
+            if plan.scheduled and self._can_defer(plan):
+                launched = self._launch(plan, pending)
+                outputs = self._resolve(pending)
+                self._commit(launched)
+                return outputs
             outputs = self._resolve(pending)
-            self._commit(launched)
-            return outputs
-        outputs = self._resolve(pending)
-        plan = self._without_finished(plan) if pending is not None else plan
-        if not plan.scheduled:
-            if self.idle_forward is not None:
-                self.idle_forward()
-            return outputs
-        return outputs + self._run(plan)
+            plan = self._without_finished(plan) if pending is not None else plan
+            if not plan.scheduled:
+                if self.idle_forward is not None:
+                    self.idle_forward()
+                return outputs
+            return outputs + self._run(plan)
+        except _ForwardOutOfMemory as oom:
+            return (self._resolve(pending) if outputs is None else outputs) + self._fail_step(plan, oom)
+
+    def _execute(self, layout: _StepLayout, capture: tuple[int, ...] = (), pending: InFlightStep | None = None):
+        """The step's forward. Out of device memory there, before the step changed any request, only its
+        requests fail (see _fail_step)."""
+        try:
+            return self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture,
+                                       pending_tokens=None if pending is None else pending.tokens)
+        except torch.OutOfMemoryError as exc:
+            raise _ForwardOutOfMemory(str(exc).split("\n")[0]) from exc
+
+    def _fail_step(self, plan: SchedulerOutput, oom: Exception) -> list[RequestOutput]:
+        """End the requests of a step whose forward ran out of device memory, with an error, freeing their
+        blocks; the others go on. Nothing was committed: no block of theirs entered the prefix cache."""
+        if self.backend.device.type == "cuda":
+            torch.cuda.empty_cache()
+        owners = (self._seq_owner.get(item.seq.seq_id) for item in plan.scheduled)
+        failed = list(dict.fromkeys(owner[0].request_id for owner in owners if owner is not None))
+        logger.error("out of device memory in a step of %d sequences (%s); failing requests %s",
+                     len(plan.scheduled), oom, failed)
+        outputs = []
+        for request_id in failed:
+            out = self.abort(request_id)
+            if out is not None:
+                out.error = f"the device ran out of memory in this request's step: {oom}"
+                outputs.append(out)
+        return outputs
 
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """A synchronous step: forward, sample, verify drafts, update the scheduler, build outputs."""
@@ -246,7 +281,7 @@ class LLMEngine:
         drafts = self._propose(plan) if self.speculator else {}
         layout = self._layout(plan, drafts)
         capture = self.speculator.capture_layers if self.speculator else ()
-        step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture)
+        step_out = self._execute(layout, capture)
         logits = step_out.logits
         touched: dict[str, EngineRequest] = {}
         # Prompt logprobs from the step's hidden states a slice of rows at a time: a whole chunk's [rows, vocab]
@@ -324,8 +359,7 @@ class LLMEngine:
     def _launch(self, plan: SchedulerOutput, pending: InFlightStep | None) -> InFlightStep:
         """Forward and sample on the device; nothing waits for the result."""
         layout = self._layout(plan, pending=pending)
-        step_out = self.runner.execute(layout.batch, layout.input_ids, layout.rows,
-                                       pending_tokens=None if pending is None else pending.tokens)
+        step_out = self._execute(layout, pending=pending)
         draws, rows = [], []
         for row_index, item in layout.sample_rows:
             req, index = self._seq_owner[item.seq.seq_id]

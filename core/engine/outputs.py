@@ -41,3 +41,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool = False
+    # Set when the engine failed the request (its step ran out of device memory); it ends with finish_reason
+    # "abort" and the server answers with an error.
+    error: str | None = None

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer.engine.async_engine import EngineDeadError
+from deepinfer.engine.async_engine import EngineError
 from deepinfer.engine.outputs import CompletionOutput
 from deepinfer.errors import InvalidInputError
 from deepinfer.serve.config import ServeConfig
@@ -193,7 +193,7 @@ class ChatHandler:
                 for c in out.outputs:
                     if not choices[c.index].done:
                         choices[c.index].step(c)
-        except EngineDeadError as err:
+        except EngineError as err:
             raise InternalServerError(str(err)) from None
         if final is None:
             raise InternalServerError("the engine ended the request without output")
@@ -231,7 +231,7 @@ class ChatHandler:
                         completion_tokens += len(c.token_ids)
                 if parts:
                     yield chunk(parts)
-        except EngineDeadError as err:
+        except EngineError as err:
             yield sse(error_body(str(err), "server_error", None, "internal_error"))
             yield DONE
             return

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deepinfer.engine.async_engine import EngineDeadError
+from deepinfer.engine.async_engine import EngineError
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.errors import InvalidInputError
 from deepinfer.serve.config import ServeConfig
@@ -128,7 +128,7 @@ class CompletionHandler:
 
         try:
             finals = await asyncio.gather(*(last(s) for s in streams))
-        except EngineDeadError as err:
+        except EngineError as err:
             raise InternalServerError(str(err)) from None
         result, completion = [], 0
         for i, final in enumerate(finals):
@@ -169,7 +169,7 @@ class CompletionHandler:
                         completion += len(c.token_ids)
                 if parts:
                     yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=parts))
-        except EngineDeadError as err:
+        except EngineError as err:
             yield sse(error_body(str(err), "server_error", None, "internal_error"))
             yield DONE
             return

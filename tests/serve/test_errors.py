@@ -195,3 +195,31 @@ def test_full_queue_is_503_with_retry_after(guarded):
     assert stats.free_blocks == stats.num_blocks
     with httpx.Client(base_url=guarded.url, timeout=60, headers=headers) as c:
         assert c.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_out_of_memory_fails_the_request_not_the_server(make_server):
+    """A step that runs the device out of memory (forced here: on the GPU the forward raises it) answers its
+    request with a 500 and OpenAI's error body, streamed or not; the server stays healthy and serves on."""
+    import torch
+
+    srv = make_server()
+    runner = srv.engine.runner
+    real = runner.execute
+
+    def execute(batch, *args, **kwargs):
+        if batch.num_tokens > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.25 GiB")
+        return real(batch, *args, **kwargs)
+
+    runner.execute = execute  # set before any request: the engine thread reads it at its next step
+    long = {"model": "tiny-v3", "prompt": [5] * 150, "max_tokens": 4}
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        r = client.post(COMPLETIONS, json=long)
+        assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
+        streamed = client.post(COMPLETIONS, json={**long, "stream": True}).text
+        assert "out of memory" in streamed and streamed.rstrip().endswith("data: [DONE]")
+        ok = client.post(COMPLETIONS, json={"model": "tiny-v3", "prompt": [5, 6, 7], "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert client.get("/health").status_code == 200
+    stats = srv.wait_idle()
+    assert stats.free_blocks == stats.num_blocks
