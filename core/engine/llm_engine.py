@@ -8,6 +8,7 @@ prompt's cache blocks without copying them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -42,6 +43,14 @@ logger = logging.getLogger(__name__)
 
 class _ForwardOutOfMemory(Exception):
     """A step's forward ran out of device memory (raised before the step changed any request's state)."""
+
+
+@contextlib.contextmanager
+def _out_of_memory_fails_step():
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise _ForwardOutOfMemory(str(exc).split("\n")[0]) from exc
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows whose logits exist at once (the start-up memory profile counts them)
@@ -252,11 +261,9 @@ class LLMEngine:
     def _execute(self, layout: _StepLayout, capture: tuple[int, ...] = (), pending: InFlightStep | None = None):
         """The step's forward. Out of device memory there, before the step changed any request, only its
         requests fail (see _fail_step)."""
-        try:
+        with _out_of_memory_fails_step():
             return self.runner.execute(layout.batch, layout.input_ids, layout.rows, capture,
                                        pending_tokens=None if pending is None else pending.tokens)
-        except torch.OutOfMemoryError as exc:
-            raise _ForwardOutOfMemory(str(exc).split("\n")[0]) from exc
 
     def _fail_step(self, plan: SchedulerOutput, oom: Exception) -> list[RequestOutput]:
         """End the requests of a step whose forward ran out of device memory, with an error, freeing their
@@ -267,18 +274,16 @@ class LLMEngine:
         failed = list(dict.fromkeys(owner[0].request_id for owner in owners if owner is not None))
         logger.error("out of device memory in a step of %d sequences (%s); failing requests %s",
                      len(plan.scheduled), oom, failed)
-        outputs = []
-        for request_id in failed:
-            out = self.abort(request_id)
-            if out is not None:
-                out.error = f"the device ran out of memory in this request's step: {oom}"
-                outputs.append(out)
+        outputs = [out for out in map(self.abort, failed) if out is not None]
+        for out in outputs:
+            out.error = f"the device ran out of memory in this request's step: {oom}"
         return outputs
 
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """A synchronous step: forward, sample, verify drafts, update the scheduler, build outputs."""
         started = time.perf_counter()
-        drafts = self._propose(plan) if self.speculator else {}
+        with _out_of_memory_fails_step():  # drafting: forwards of the drafter (and MTP layers)
+            drafts = self._propose(plan) if self.speculator else {}
         layout = self._layout(plan, drafts)
         capture = self.speculator.capture_layers if self.speculator else ()
         step_out = self._execute(layout, capture)

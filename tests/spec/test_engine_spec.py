@@ -255,3 +255,29 @@ def test_dspark_with_forks(mtp_checkpoint, dspark_dir, reference):
     assert {k: v for k, v in out.items() if k in plain} == plain
     assert all(len(out[rid + "s"]) == 3 and all(len(c) == 10 for c in out[rid + "s"]) for rid, _, _ in reqs[:6])
     assert not eng.speculator.drafter._ctx  # every sequence's state was released
+
+
+def test_out_of_memory_while_drafting_fails_the_step_only(mtp_checkpoint, reference, monkeypatch):
+    """Drafting runs forwards too: out of device memory there ends that step's requests with an error, as
+    in the target forward, and the engine serves on with the same greedy tokens."""
+    reqs, expected, continuations = reference
+    spec = scripted_speculator(continuations, 4, VOCAB)
+    eng = engine(mtp_checkpoint, spec, max_num_seqs=4)
+    real, calls = spec.propose, []
+
+    def propose(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "propose", propose)
+    rid, prompt, params = reqs[0]
+    eng.add_request(rid, prompt, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].error is not None and "out of memory" in outs[-1].error and outs[-1].finished
+    assert eng.stats().free_blocks == eng.stats().num_blocks
+    assert tokens_of(run(eng, reqs[1:4])) == {r: expected[r] for r, _, _ in reqs[1:4]}
+
