@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 #   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (DEEPINFER_PDL=1): the graph and greedy-
 #                                        # equality tests with it, then decode at batch 1 / 32 with and without
+#   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine conformance, then
+#                                        # benchmarks/ep_comm.py over every GPU (issue 13)
 # Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
 # so one call (device time is budgeted per session) brings back every number it could take.
 set -u
@@ -14,6 +16,13 @@ LEVEL=${1:-tests}
 source benchmarks/device_env.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 rev=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 echo "# gpu_suite $LEVEL at $rev, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+if [ "$LEVEL" = ep ]; then
+    DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q tests/conformance/test_comm.py > "$OUT/tests_ep.log" 2>&1
+    echo "EP conformance: $(grep -E 'passed|failed' "$OUT/tests_ep.log" | tail -1)"
+    (cd benchmarks && timeout 300 python3 ep_comm.py --json "$OUT/ep_comm.json" > "$OUT/ep_comm.log" 2>&1)
+    grep -E '^\||^#|DeepEP' "$OUT/ep_comm.log"
+    exit 0
+fi
 if [ "$LEVEL" = pdl ]; then
     DEEPINFER_PDL=1 DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 240 python3 -m pytest -q -n 8 \
         tests/engine/test_cuda_graphs.py tests/conformance/test_model_logits.py tests/conformance/test_moe_fused_paths.py \
