@@ -17,6 +17,7 @@ source benchmarks/device_env.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/ins
 rev=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 echo "# gpu_suite $LEVEL at $rev, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 if [ "$LEVEL" = ep ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast stays off
     DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q tests/conformance/test_comm.py > "$OUT/tests_ep.log" 2>&1
     echo "EP conformance: $(grep -E 'passed|failed' "$OUT/tests_ep.log" | tail -1)"
     (cd benchmarks && timeout 300 python3 ep_comm.py --json "$OUT/ep_comm.json" > "$OUT/ep_comm.log" 2>&1)
