@@ -52,6 +52,11 @@ def _triton_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (t.device.type == "cpu" and gemm.interpreting())
 
 
+def _norm_kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the Triton RMSNorm covers x (a whole row in registers); the reference takes the rest."""
+    return x.dim() > 0 and x.shape[-1] <= NR.MAX_NORM_DIM and _triton_device(x)
+
+
 class CudaFusedOps(FusedOps):
     def __init__(self, batch_invariant: bool = False, prefill_attention: str | None = None):
         self.batch_invariant = batch_invariant
@@ -63,7 +68,7 @@ class CudaFusedOps(FusedOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
-        if x.dim() == 0 or x.shape[-1] > NR.MAX_NORM_DIM or not _triton_device(x):
+        if not _norm_kernel_takes(x):
             return super().rms_norm(x, weight, eps)
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
         return NR.rms_norm(x, weight, eps)
@@ -71,7 +76,7 @@ class CudaFusedOps(FusedOps):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
-        if x.dim() == 0 or x.shape[-1] > NR.MAX_NORM_DIM or not _triton_device(x):
+        if not _norm_kernel_takes(x):
             return super().add_rms_norm(x, residual, weight, eps)
         check_tensor("residual", residual, shape=list(x.shape), dtypes=(x.dtype,), device=x.device)
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)

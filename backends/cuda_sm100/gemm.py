@@ -87,6 +87,11 @@ DECODE_GROUP_ROWS = 8
 DECODE_ROWS = 16
 
 
+def rows_per_group(rows: int, groups: int) -> int:
+    """The typical rows per group of a grouped GEMM, what its tiles are picked by (at least 1)."""
+    return max(1, rows // max(groups, 1))
+
+
 @functools.lru_cache(maxsize=4096)
 def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: torch.device, fused: bool = False,
                 ieee: bool = False) -> TileConfig:
@@ -342,7 +347,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Ten
     if m:
         a, a_scale = _prepare_a(x, weight, x_scale)
         _launch(a, a_scale, weight, out, layout=1, sizes=group_sizes, m=m, groups=weight.num_groups, cap=0, n=n,
-                rows_hint=max(1, m // weight.num_groups), cfg=cfg, invariant=batch_invariant)
+                rows_hint=rows_per_group(m, weight.num_groups), cfg=cfg, invariant=batch_invariant)
     return out
 
 
@@ -371,7 +376,7 @@ def fuse_gate_up(rows: int, groups: int) -> bool:
     """Whether a grouped gate/up runs fused with SiLU: at decode sizes (the 16-row tiles), where the fused
     kernel beats the plain GEMM + silu_and_mul (H200, V2-Lite, d6f57ec: batch 32 bf16 182 vs 189 us, FP8 102
     vs 103). With 64-row tiles it lost from batch 32 (e2e at 91cbfb2: two accumulators halve a tile's rows)."""
-    return max(1, rows // max(groups, 1)) <= DECODE_GROUP_ROWS
+    return rows_per_group(rows, groups) <= DECODE_GROUP_ROWS
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
@@ -413,7 +418,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
         out, out_scale = torch.empty(m, inter, dtype=x.dtype, device=x.device), None
     if m:
         a, a_scale = _prepare_a(flat, gate_up, None)
-        rows_hint = cap if layout == 2 else max(1, m // groups)
+        rows_hint = cap if layout == 2 else rows_per_group(m, groups)
         ieee = not a.dtype == quant.FP8_DTYPE and _compute_dtype(a.dtype, gate_up) == torch.float32
         cfg = cfg or pick_config(rows_hint, inter, gate_up.in_features, _b_kind(gate_up), layout, x.device, fused=True,
                                  ieee=ieee)
