@@ -149,17 +149,7 @@ class DeepseekModel:
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, hidden]."""
-        self._check_positions(ctx)
-        x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer.forward(x, ctx, residual)
-        return self._final_norm(x, residual)
-
-    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """The final norm of hidden state x + residual (the last layer's add fused into it)."""
-        if residual is None:
-            return self.backend.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return self.backend.ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
+        return self.forward_capture(input_ids, ctx, ())[0]
 
     def forward_capture(self, input_ids: torch.Tensor, ctx: ForwardContext, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """forward(), also returning the residual stream after each layer in `capture` (speculative drafters
@@ -171,7 +161,11 @@ class DeepseekModel:
             x, residual = layer.forward(x, ctx, residual)
             if i in capture:
                 taken[i] = x + residual  # the sum the next layer's fused add forms too: the same rounding
-        return self._final_norm(x, residual), [taken[i] for i in capture]
+        eps = self.config.rms_norm_eps
+        # The final norm of x + residual, the last layer's add fused into it.
+        final = (self.backend.ops.rms_norm(x, self.norm, eps) if residual is None
+                 else self.backend.ops.add_rms_norm(x, residual, self.norm, eps)[0])
+        return final, [taken[i] for i in capture]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> float32 logits [T, vocab]."""
