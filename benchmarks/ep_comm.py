@@ -1,22 +1,23 @@
 """Expert-parallel dispatch and combine across the GPUs of one host: latency and bandwidth, next to the raw
-all-to-all that moves the same rows and DeepEP's published figures.
+all-to-all that moves the same bytes and DeepEP's published figures.
 
   python3 benchmarks/ep_comm.py [--world N] [--tokens 128 4096] [--hidden 7168] [--experts 256] [--top-k 8]
-                                [--backend cuda_sm100] [--iters 20] [--json FILE]
-  python3 benchmarks/ep_comm.py --smoke   # 2 CPU ranks on gloo, tiny shapes: this script's flow only
+                                [--backends cuda_sm100 reference] [--iters 20] [--json FILE]
+  python3 benchmarks/ep_comm.py --v2-lite   # the e2e model's MoE: hidden 2048, 64 experts top-6, 256 tokens/rank
+  python3 benchmarks/ep_comm.py --smoke     # 2 CPU ranks on gloo, tiny shapes: this script's flow only
 
 Spawns N ranks, one GPU each, over NCCL (NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and the variables the
 device README names are set before anything starts). Each rank routes T tokens (top_k of E experts drawn
 uniformly, experts split evenly over the ranks) through `backend.dispatch` and `backend.combine`: the path the
-MoE layer takes under expert parallelism, with identity experts. Timed per iteration after a barrier, the
-slowest rank's time, median over --iters:
+MoE layer takes under expert parallelism, with identity experts. Each backend in --backends is measured in the
+same run (cuda_sm100: one row per (token, destination rank) with its routing attached; reference: one row per
+(token, expert) pair). Timed per iteration after a barrier, the slowest rank's time, median over --iters:
 - dispatch alone, combine alone, and dispatch + combine;
-- the peer: one `all_to_all_single` of the same rows (what the NCCL transport alone costs for these bytes).
-Bytes are the rows a rank sends to the other ranks (one row per (token, expert) pair, as this dispatch sends
-them, hidden x 2 bytes in bf16); GB/s = those bytes / time. DeepEP counts one row per token and destination
-rank, so at top-8 over few ranks it moves fewer bytes for the same tokens: compare times first.
-DeepEP's published figures (issue 13): intranode dispatch 153 GB/s on H800; low-latency dispatch 77 us at EP8
-(128 tokens per rank, hidden 7168, top-8).
+- the peer: one `all_to_all_single` of the bytes cuda_sm100's dispatch sends (what the NCCL transport alone
+  costs for them).
+Bytes, as DeepEP counts them: one bf16 hidden row per token and remote rank it must reach; GB/s = the most
+bytes any rank sends / time. DeepEP's published figures (issue 13): intranode dispatch 153 GB/s on H800;
+low-latency dispatch 77 us at EP8 (128 tokens per rank, hidden 7168, top-8).
 """
 
 from __future__ import annotations
@@ -47,12 +48,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
 
     from deepinfer.registry import load_backend
 
-    backend = load_backend(args.backend)
-    dev = backend.device
+    dev = load_backend(args.backends[0]).device
     if dev.type == "cuda":
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
-        backend = load_backend(args.backend, device=str(dev))
+    backends = {name: load_backend(name, device=str(dev)) for name in args.backends}
     nccl = dev.type == "cuda"
     dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=args.world, timeout=timedelta(seconds=120))
@@ -65,35 +65,35 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
             x = torch.randn(tokens, args.hidden, generator=gen).to(torch.bfloat16).to(dev)
             ids, weights = (t.to(dev) for t in _routing(gen, tokens, args.experts, args.top_k))
             local = args.experts // args.world
-            remote_rows = int((ids // local != rank).sum())
-            pending = {}
-
-            def dispatch():
-                pending["d"] = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
-
-            def combine():
-                backend.combine(pending["d"], pending["d"].hidden).wait()
-
-            def both():
-                d = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
-                backend.combine(d, d.hidden).wait()
-
-            send = x.index_select(0, torch.arange(tokens * args.top_k, device=dev) // args.top_k)
+            reached = torch.zeros(tokens, args.world, dtype=torch.bool, device=dev).scatter_(1, ids // local, True)
+            remote_rows = int(reached.sum() - reached[:, rank].sum())  # (token, remote rank) pairs
+            # The peer: equal splits of every row this rank's dispatch sends (its own share included).
+            per_peer = torch.tensor([-(-int(reached.sum()) // args.world)])
+            dist.all_reduce(per_peer, op=dist.ReduceOp.MAX, group=host)  # equal splits need one size everywhere
+            send = x.new_empty(int(per_peer) * args.world, args.hidden).normal_()
             recv = torch.empty_like(send)
-
-            def raw():
-                dist.all_to_all_single(recv, send)  # equal splits: the same row count per rank pair on average
-
-            row = {"tokens": tokens, "remote_rows": remote_rows}
-            for name, fn in (("dispatch", dispatch), ("combine", combine), ("dispatch+combine", both),
-                             ("all_to_all", raw)):
-                if name == "combine":
-                    dispatch()
-                row[name] = _timed(fn, dev, args.iters, host)
             # the most bytes any rank sends to the others
             b = torch.tensor([remote_rows * args.hidden * 2], dtype=torch.float64)
             dist.all_reduce(b, op=dist.ReduceOp.MAX, group=host)
-            row["bytes"] = float(b)
+            row = {"tokens": tokens, "remote_rows": remote_rows, "bytes": float(b),
+                   "all_to_all": _timed(lambda: dist.all_to_all_single(recv, send), dev, args.iters, host)}
+            for name, backend in backends.items():
+                pending = {}
+
+                def dispatch():
+                    pending["d"] = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
+
+                def combine():
+                    backend.combine(pending["d"], pending["d"].hidden).wait()
+
+                def both():
+                    d = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
+                    backend.combine(d, d.hidden).wait()
+
+                for step, fn in (("dispatch", dispatch), ("combine", combine), ("dispatch+combine", both)):
+                    if step == "combine":
+                        dispatch()
+                    row[f"{name} {step}"] = _timed(fn, dev, args.iters, host)
             results.append(row)
         if rank == 0:
             with open(f"{store}.out", "w") as fh:
@@ -130,14 +130,19 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--backend", default="cuda_sm100")
+    ap.add_argument("--backends", nargs="+", default=["cuda_sm100", "reference"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's MoE shape at decode batch 256")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.v2_lite:
+        args.tokens, args.hidden, args.experts, args.top_k = [256], 2048, 64, 6
     if args.smoke:
         args.world, args.tokens, args.hidden, args.experts, args.top_k = 2, [8, 32], 64, 16, 4
-        args.backend, args.iters = "reference", 3
+        args.iters = 3
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            args.backends = ["reference"]  # cuda_sm100 runs on the CPU only under the Triton interpreter
     args.world = args.world or torch.cuda.device_count()
     if args.world < 2:
         print("ep_comm: needs at least 2 ranks (GPUs); --smoke runs 2 CPU ranks")
@@ -146,19 +151,20 @@ def main() -> int:
         print(f"ep_comm: --experts {args.experts} must divide over {args.world} ranks")
         return 1
     store = f"/tmp/ep_comm_{os.getpid()}"
-    print(f"# ep_comm: {args.world} ranks, backend {args.backend}, hidden {args.hidden}, {args.experts} experts top-"
-          f"{args.top_k}; {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    print(f"# ep_comm: {args.world} ranks, hidden {args.hidden}, {args.experts} experts top-{args.top_k}; "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     mp.start_processes(_rank, args=(args, store), nprocs=args.world, start_method="spawn")
     with open(f"{store}.out") as fh:
         results = json.load(fh)
-    print("| tokens/rank | dispatch us | combine us | dispatch+combine us | all_to_all us (same rows) | "
-          "dispatch GB/s | all_to_all GB/s | dispatch speed vs all_to_all |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens/rank | backend | dispatch us | combine us | dispatch+combine us | all_to_all us (same bytes) | "
+          "dispatch GB/s | all_to_all GB/s | dispatch time / all_to_all |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         gbs = lambda s: r["bytes"] / s / 1e9  # noqa: E731
-        print(f"| {r['tokens']} | {r['dispatch'] * 1e6:.1f} | {r['combine'] * 1e6:.1f} | {r['dispatch+combine'] * 1e6:.1f} | "
-              f"{r['all_to_all'] * 1e6:.1f} | {gbs(r['dispatch']):.1f} | {gbs(r['all_to_all']):.1f} | "
-              f"{r['all_to_all'] / r['dispatch']:.2f} |")
+        for name in args.backends:
+            d, c, dc = (r[f"{name} {step}"] for step in ("dispatch", "combine", "dispatch+combine"))
+            print(f"| {r['tokens']} | {name} | {d * 1e6:.1f} | {c * 1e6:.1f} | {dc * 1e6:.1f} | "
+                  f"{r['all_to_all'] * 1e6:.1f} | {gbs(d):.1f} | {gbs(r['all_to_all']):.1f} | {d / r['all_to_all']:.2f} |")
     print("DeepEP (H800, issue 13): intranode dispatch 153 GB/s; low-latency dispatch 77 us at EP8, 128 tokens.")
     if args.json:
         with open(args.json, "w") as fh:

@@ -147,24 +147,28 @@ class CudaSM100Backend(ReferenceBackend):
             return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate)
         return super().gated_linear(x, gate_up, group_sizes, validate=validate)
 
-    # --- MoE communication: in one process, a device-side counting sort and a fused combine (moe_comm.py) ---
-    def _local_moe(self, group) -> bool:
+    # --- MoE communication: a device-side counting sort and a fused combine in one process (moe_comm.py);
+    # under expert parallelism one row per (token, rank) over all_to_all (ep_comm.py) ---
+    def _expert_parallel(self, group) -> bool:
         import torch.distributed as dist
 
-        if not self._triton_runs_here():
-            return False
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True):
-        if not self._local_moe(group):
+        if not self._triton_runs_here():
             return super().dispatch(x, topk_ids, topk_weights, num_experts, group, validate=validate)
-        from deepinfer.backends.cuda_sm100 import moe_comm
+        from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
+        if self._expert_parallel(group):
+            return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate)
         return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate)
 
     def combine(self, dispatched, expert_out):
-        from deepinfer.backends.cuda_sm100 import moe_comm
+        from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
-        if isinstance(getattr(dispatched, "state", None), moe_comm.LocalState):
+        state = getattr(dispatched, "state", None)
+        if isinstance(state, moe_comm.LocalState):
             return moe_comm.combine(dispatched, expert_out)
+        if isinstance(state, ep_comm.EPState):
+            return ep_comm.combine(dispatched, expert_out)
         return super().combine(dispatched, expert_out)

@@ -4,7 +4,7 @@ Dispatch lays the (token, choice) pairs out by expert with the counting sort of 
 (three small launches, where a general argsort costs ~25 us per layer at decode sizes) and gathers the
 hidden rows. Up to SMALL_DISPATCH_MAX_PAIRS pairs (decode) the sort and the gather are one launch,
 dispatch_small_kernel, with the same rows in the same order. Combine gathers each token's expert outputs
-back, weights and sums them in one kernel. Expert-parallel groups keep the reference all-to-all path.
+back, weights and sums them in one kernel. Expert-parallel groups use ep_comm, built on these two.
 """
 
 from __future__ import annotations
@@ -74,19 +74,24 @@ def _dispatch_small(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
 
 
 def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+    state: LocalState = dispatched.state
+    rows = dispatched.hidden.shape[0]
+    check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
+    return Pending.ready(weighted_gather(expert_out, state.row_of_pair, state.topk_weights, state.out_dtype))
+
+
+def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[row_of_pair[t, j]] (float32 sum; row -1 adds nothing) -> [T, H] out_dtype."""
     from deepinfer.backends.cuda_sm100 import routing_kernels as RK
     from deepinfer.backends.cuda_sm100.gemm import cdiv, next_pow2
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
-    state: LocalState = dispatched.state
-    rows = dispatched.hidden.shape[0]
-    check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
-    t, k = state.row_of_pair.shape
-    h = expert_out.shape[1]
-    out = torch.empty(t, h, dtype=state.out_dtype, device=expert_out.device)
+    t, k = row_of_pair.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if t and h:
-        y = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
+        y = y if y.stride(-1) == 1 else y.contiguous()
         bh = min(1024, next_pow2(h))
-        RK.combine_kernel[(t, cdiv(h, bh))](y, state.row_of_pair, state.topk_weights, out, h, y.stride(0), out.stride(0),
+        RK.combine_kernel[(t, cdiv(h, bh))](y, row_of_pair, weights, out, h, y.stride(0), out.stride(0),
                                             K=k, BH=bh, num_warps=4, **launch_kwargs())
-    return Pending.ready(out)
+    return out
