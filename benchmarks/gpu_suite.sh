@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 #   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (DEEPINFER_PDL=1): the graph and greedy-
 #                                        # equality tests with it, then decode at batch 1 / 32 with and without
-#   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine conformance, then
-#                                        # benchmarks/ep_comm.py over every GPU (issue 13)
+#   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine and EP engine
+#                                        # conformance, then benchmarks/ep_comm.py over every GPU (issue 13)
+#   bash benchmarks/gpu_suite.sh ep-e2e  # benchmarks/ep_e2e.py: the V2-Lite-shaped model over every GPU (~8 min)
 # Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
 # so one call (device time is budgeted per session) brings back every number it could take.
 set -u
@@ -18,10 +19,19 @@ rev=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
 echo "# gpu_suite $LEVEL at $rev, $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 if [ "$LEVEL" = ep ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast stays off
-    DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q tests/conformance/test_comm.py > "$OUT/tests_ep.log" 2>&1
+    DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 300 python3 -m pytest -q tests/conformance/test_comm.py \
+        tests/moe/test_expert_parallel_backends.py > "$OUT/tests_ep.log" 2>&1
     echo "EP conformance: $(grep -E 'passed|failed' "$OUT/tests_ep.log" | tail -1)"
-    (cd benchmarks && timeout 300 python3 ep_comm.py --json "$OUT/ep_comm.json" > "$OUT/ep_comm.log" 2>&1)
-    grep -E '^\||^#|DeepEP' "$OUT/ep_comm.log"
+    grep -E '^FAILED' "$OUT/tests_ep.log" | head -10
+    (cd benchmarks && timeout 200 python3 ep_comm.py --tokens 128 4096 --json "$OUT/ep_comm.json" > "$OUT/ep_comm.log" 2>&1
+     timeout 120 python3 ep_comm.py --v2-lite --json "$OUT/ep_comm_v2lite.json" > "$OUT/ep_comm_v2lite.log" 2>&1)
+    grep -hE '^\||^#|DeepEP' "$OUT/ep_comm.log" "$OUT/ep_comm_v2lite.log"
+    exit 0
+fi
+if [ "$LEVEL" = ep-e2e ]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    timeout 560 python3 benchmarks/ep_e2e.py --json "$OUT/ep_e2e.json" > "$OUT/ep_e2e.log" 2>&1
+    echo "ep_e2e (exit $?):"; grep -vE '^\s*$' "$OUT/ep_e2e.log" | grep -vE 'Warning|warn\(' | tail -60
     exit 0
 fi
 if [ "$LEVEL" = pdl ]; then
