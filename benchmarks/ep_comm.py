@@ -94,6 +94,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                     if step == "combine":
                         dispatch()
                     row[f"{name} {step}"] = _timed(fn, dev, args.iters, host)
+                if args.profile and rank == 0:
+                    _profile(both, dev, f"{name}, {tokens} tokens/rank: dispatch + combine x 5")
+                elif args.profile:
+                    for _ in range(5):
+                        both()
             results.append(row)
         if rank == 0:
             with open(f"{store}.out", "w") as fh:
@@ -101,6 +106,18 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _profile(fn, dev: torch.device, title: str) -> None:
+    """Rank 0's host and device time per operator over 5 calls (the other ranks run the same calls)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    print(f"## {title}\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=50),
+          flush=True)
 
 
 def _timed(fn, dev: torch.device, iters: int, host) -> float:
@@ -133,6 +150,7 @@ def main() -> int:
     ap.add_argument("--backends", nargs="+", default=["cuda_sm100", "reference"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="rank 0's operator table of dispatch + combine per backend")
     ap.add_argument("--v2-lite", action="store_true", help="DeepSeek-V2-Lite's MoE shape at decode batch 256")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

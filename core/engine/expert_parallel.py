@@ -32,6 +32,7 @@ from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.errors import ConfigError, InvalidInputError
+from deepinfer.model.checkpoint import Checkpoint
 from deepinfer.model.moe import MoE
 from deepinfer.moe.balancer import ExpertLoadBalancer
 from deepinfer.moe.placement import ModelPlacement
@@ -174,12 +175,13 @@ class ExpertParallelEngine:
         return final
 
 
-def check_config(engine_config: EngineConfig) -> ModelConfig:
-    """What every rank would refuse, checked before anything starts (raises ConfigError); the model's config."""
+def check_config(engine_config: EngineConfig, config: ModelConfig | None = None) -> ModelConfig:
+    """What every rank would refuse, checked before anything starts (raises ConfigError); the model's config
+    (`config` when given, else read from the folder engine_config.model)."""
     if engine_config.speculative_engine is not None:
         raise ConfigError("speculative decoding is not supported with expert parallelism yet "
                           "(every rank must run the same number of MoE forwards per step)")
-    config = ModelConfig.from_hf_dir(Path(engine_config.model))
+    config = config or ModelConfig.from_hf_dir(Path(engine_config.model))
     if config.n_routed_experts is None:
         raise ConfigError("expert parallelism needs a MoE model (n_routed_experts is not set)")
     limit = config.max_position_embeddings
@@ -193,14 +195,21 @@ def check_config(engine_config: EngineConfig) -> ModelConfig:
     return config
 
 
-def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_check_interval: int = 50) -> ExpertParallelEngine:
-    """Load this rank's share of the model and its engine (no collective runs here)."""
+def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_check_interval: int = 50,
+                 checkpoint: Checkpoint | None = None, config: ModelConfig | None = None) -> ExpertParallelEngine:
+    """Load this rank's share of the model and its engine (no collective runs here).
+
+    checkpoint, config: load from this checkpoint (e.g. a TensorDictCheckpoint of tensors already in memory)
+    with its ModelConfig instead of the folder engine_config.model (then only a name; no tokenizer).
+    """
     from deepinfer.model.loader import load_model
 
     if engine_config.expert_parallel_size != ctx.world_size:
         raise ConfigError(f"expert_parallel_size {engine_config.expert_parallel_size} does not match the "
                           f"{ctx.world_size} ranks of the process group")
-    config = check_config(engine_config)
+    if checkpoint is not None and config is None:
+        raise ConfigError("loading from a checkpoint object needs its ModelConfig (config=)")
+    config = check_config(engine_config, config)
     path = Path(engine_config.model)
     max_model_len = engine_config.max_model_len or config.max_position_embeddings
     num_physical = config.n_routed_experts + engine_config.num_redundant_experts
@@ -216,11 +225,12 @@ def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_chec
                                        ctx.num_nodes, ctx.world_size)
     placements = {i: placement.layer(i, ctx.rank, backend.device) for i in layer_ids}
     dtype = _DTYPES.get(engine_config.dtype) if engine_config.dtype else None
-    model = load_model(path, backend, config=config, precision=engine_config.precision, dtype=dtype,
+    source = path if checkpoint is None else checkpoint
+    model = load_model(source, backend, config=config, precision=engine_config.precision, dtype=dtype,
                        max_positions=max_model_len, load_mtp=engine_config.load_mtp,
                        progress=engine_config.progress and ctx.rank == 0, placements=placements, ep_group=ctx.group)
     tokenizer = None
-    if (path / "tokenizer.json").exists():
+    if checkpoint is None and (path / "tokenizer.json").exists():
         from deepinfer.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_folder(path)
