@@ -209,7 +209,7 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     return events_median(lambda: graphs.replay(size), 20)
 
 
-def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, top: int = 25) -> None:
+def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, top: int = 25, host: bool = False) -> None:
     """Kernel time breakdown of one eager decode step (kernel time without the launch gaps a graph removes)."""
     from deepinfer.engine.sampling_params import SamplingParams
 
@@ -222,7 +222,7 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
         chunk = engine.engine_config.max_num_batched_tokens
         for _ in range(2 + batch * context // chunk):  # the prefill chunks, then a decode step to warm up
             engine.step()
-        print_kernel_table(engine, lambda: (engine.step(), sync(engine.backend.device)), top)
+        print_kernel_table(engine, lambda: (engine.step(), sync(engine.backend.device)), top, host)
     finally:
         engine.runner.graphs = graphs
         while engine.has_unfinished():
@@ -234,13 +234,15 @@ def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25
     print_kernel_table(engine, lambda: run_ttft(engine, prompt_len, gen), top)
 
 
-def print_kernel_table(engine, fn, top: int) -> None:
-    """The profiler's table of what fn() ran, by device time (CPU time without a GPU)."""
+def print_kernel_table(engine, fn, top: int, host: bool = False) -> None:
+    """The profiler's table of what fn() ran, by device time (CPU time without a GPU, or with host=True:
+    the host's operators by their CPU time, launches included)."""
     on_gpu = engine.backend.device.type == "cuda"
-    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu and not host else \
+        [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
         fn()
-    key = "cuda_time_total" if on_gpu else "cpu_time_total"
+    key = "cuda_time_total" if on_gpu and not host else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
@@ -297,6 +299,8 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--peer-context", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="kernel breakdown of eager decode steps (batch 1, 32) and of each TTFT prefill")
+    p.add_argument("--profile-batches", nargs="+", type=int, default=[1, 32], help="batches of --profile's decode steps")
+    p.add_argument("--profile-host", action="store_true", help="--profile's decode steps by host time per operator")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model with the same structure (script test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -373,9 +377,10 @@ def main() -> None:
                                 median_step_ms=step_ms, graph_replay_ms=replay)
                 results["cells"].append(cell)
         if args.profile:
-            for batch in (b for b in (1, 32) if b <= engine.engine_config.max_num_seqs):  # more would queue
-                print(f"  eager decode step, batch {batch}, context {args.contexts[0]}: kernels by CUDA time")
-                profile_eager_step(engine, batch, args.contexts[0], gen)
+            for batch in (b for b in args.profile_batches if b <= engine.engine_config.max_num_seqs):  # more would queue
+                by = "host operators by CPU time" if args.profile_host else "kernels by CUDA time"
+                print(f"  eager decode step, batch {batch}, context {args.contexts[0]}: {by}")
+                profile_eager_step(engine, batch, args.contexts[0], gen, host=args.profile_host)
         for prompt in args.ttft:
             if prompt + 1 > max_model_len:
                 continue

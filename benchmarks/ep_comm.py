@@ -10,8 +10,9 @@ Spawns N ranks, one GPU each, over NCCL (NVLink multicast stays off: NCCL_NVLS_E
 device README names are set before anything starts). Each rank routes T tokens (top_k of E experts drawn
 uniformly, experts split evenly over the ranks) through `backend.dispatch` and `backend.combine`: the path the
 MoE layer takes under expert parallelism, with identity experts. Each backend in --backends is measured in the
-same run (cuda_sm100: one row per (token, destination rank) with its routing attached; reference: one row per
-(token, expert) pair). Timed per iteration after a barrier, the slowest rank's time, median over --iters:
+same run (cuda_sm100: one row per (token, destination rank) with its routing attached, buffers sized from
+exchanged counts, and "cuda_sm100 fixed": buffers of T rows per rank, no host sync, as CUDA graphs run it;
+reference: one row per (token, expert) pair). Timed per iteration after a barrier, the slowest rank's time, median over --iters:
 - dispatch alone, combine alone, and dispatch + combine;
 - the peer: one `all_to_all_single` of the bytes cuda_sm100's dispatch sends (what the NCCL transport alone
   costs for them).
@@ -77,17 +78,17 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
             dist.all_reduce(b, op=dist.ReduceOp.MAX, group=host)
             row = {"tokens": tokens, "remote_rows": remote_rows, "bytes": float(b),
                    "all_to_all": _timed(lambda: dist.all_to_all_single(recv, send), dev, args.iters, host)}
-            for name, backend in backends.items():
+            for name, (backend, capacity) in _variants(backends, tokens).items():
                 pending = {}
 
                 def dispatch():
-                    pending["d"] = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
+                    pending["d"] = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
 
                 def combine():
                     backend.combine(pending["d"], pending["d"].hidden).wait()
 
                 def both():
-                    d = backend.dispatch(x, ids, weights, args.experts, validate=False).wait()
+                    d = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
                     backend.combine(d, d.hidden).wait()
 
                 for step, fn in (("dispatch", dispatch), ("combine", combine), ("dispatch+combine", both)):
@@ -106,6 +107,15 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _variants(backends: dict, tokens: int) -> dict:
+    """name -> (backend, dispatch capacity): each backend with buffers sized from exchanged counts, and
+    cuda_sm100 also with fixed buffers of `tokens` rows per rank (no host sync; where ep_comm allows it)."""
+    out = {name: (backend, None) for name, backend in backends.items()}
+    if "cuda_sm100" in backends:
+        out["cuda_sm100 fixed"] = (backends["cuda_sm100"], tokens)
+    return out
 
 
 def _profile(fn, dev: torch.device, title: str) -> None:
@@ -179,7 +189,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         gbs = lambda s: r["bytes"] / s / 1e9  # noqa: E731
-        for name in args.backends:
+        for name in [n for n in r if n.endswith(" dispatch")]:
+            name = name[: -len(" dispatch")]
             d, c, dc = (r[f"{name} {step}"] for step in ("dispatch", "combine", "dispatch+combine"))
             print(f"| {r['tokens']} | {name} | {d * 1e6:.1f} | {c * 1e6:.1f} | {dc * 1e6:.1f} | "
                   f"{r['all_to_all'] * 1e6:.1f} | {gbs(d):.1f} | {gbs(r['all_to_all']):.1f} | {d / r['all_to_all']:.2f} |")

@@ -9,9 +9,8 @@ NVLink multicast is off (NCCL_NVLS_ENABLE=0 and the others, set at import, inher
 Phases run in spawned processes, killed past --timeout s; each builds the model with transformers (same --seed:
 same weights everywhere) and DeepInfer loads it from memory, a rank only its experts. Printed (markdown):
 - peer (GPU 0, no EP, exits before the ranks start): decode tok/s of --batch requests of --context random
-  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap, as the EP engine
-  runs (no graphs with expert_parallel_size > 1, no overlap with an idle-forward hook): the eager ratio
-  isolates what communication costs.
+  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap (the EP engine runs
+  decode graphs without overlap when EPLB is off, eagerly when it is on: no overlap with an idle-forward hook).
 - ep (N ranks, --batch requests each): lockstep ExpertParallelEngine.step() until every request has its first
   token, then --gen decode steps timed at full batch. Per rank and overall: decode tok/s per GPU, total, median
   step ms, ratio to the peer, rows its experts received, host s in dispatch/combine (their size exchange syncs
@@ -374,7 +373,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     print(f"\n## One {device}, no expert parallelism (batch {args.batch}, context {args.context}, {args.gen} decode steps)")
     _row("engine", "decode tok/s", "median step ms", "prefill s", head=True)
     ref = {}
-    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs)")):
+    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs with EPLB)")):
         c = peer.get(name)
         if _ok(c):
             w = c["windows"][0]
@@ -384,7 +383,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     ratio = lambda x, k: f"{x / ref[k]:.2f}x" if ref.get(k) else "-"  # noqa: E731
     cells = [r.get("ep") for r in ranks]
     if any(_ok(c) for c in cells):
-        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank, eager)")
+        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank; decode graphs, no overlap)")
         _row("rank", "decode tok/s", "median step ms", "vs 1 GPU graphs", "vs 1 GPU eager", "rows received",
              "host s in dispatch", "host s in combine", head=True)
         for r, c in enumerate(cells):

@@ -180,9 +180,14 @@ class Backend(ABC):
         group: Any = None,
         *,
         validate: bool = True,
+        capacity: int | None = None,
     ) -> Pending[Dispatched]:
         """Send each token to the ranks owning its chosen experts (experts split evenly, in order).
-        validate=False skips the range check of topk_ids (a read-back), for ids from the model's router."""
+        validate=False skips the range check of topk_ids (a read-back), for ids from the model's router.
+        capacity: a bound on every rank's token count that all ranks of the group pass alike (expert
+        parallelism); a backend may then use fixed-size buffers instead of exchanging counts, with no host
+        synchronisation (CUDA-graph capturable). Dispatched.hidden may then hold padding rows past the sum of
+        group_sizes, which the grouped GEMMs skip."""
 
     @abstractmethod
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:

@@ -154,13 +154,13 @@ class CudaSM100Backend(ReferenceBackend):
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
-    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True):
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True, capacity=None):
         if not self._triton_runs_here():
             return super().dispatch(x, topk_ids, topk_weights, num_experts, group, validate=validate)
         from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
         if self._expert_parallel(group):
-            return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate)
+            return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate, capacity)
         return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate)
 
     def combine(self, dispatched, expert_out):

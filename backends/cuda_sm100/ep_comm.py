@@ -2,13 +2,19 @@
 sends them, not one per (token, expert) pair.
 
 dispatch
-1. For each token and rank: how many of its choices that rank owns, hence whether its row goes there and
-   where in the send buffer (a running count per rank). Rows and pairs per destination are exchanged with an
-   all_to_all of 2 * world ints, read by the host once: the one synchronisation, which sizes the buffers.
+1. For each token and rank: whether the token chose any of that rank's experts, hence whether its row goes
+   there and where in the send buffer (a running count per rank).
 2. Each sent row carries, after its hidden values, its k choices as local expert ids (-1: another rank's)
    and weights (0 there): one all_to_all_single moves rows and routing together.
 3. The receiver lays out its (row, local expert) pairs by expert with the single-process dispatch
    (moe_comm), the other ranks' choices in an extra last group that is cut off.
+Buffer sizes, two ways:
+- exchanged (no capacity): rows and pairs per destination go first through an all_to_all of 2 * world ints
+  that the host reads: one synchronisation per dispatch, buffers exactly as large as the traffic;
+- fixed (a capacity every rank passes alike, up to FIXED_MAX_PAIRS received pairs): every rank sends
+  `capacity` rows to every rank, unused ones marked by ids -1, so nothing is read back and the step can be
+  captured in a CUDA graph (DeepEP's low-latency mode makes the same trade). The pairs then include padding
+  past the sum of the group sizes, which the grouped GEMMs skip.
 combine
 1. Each received row's expert outputs are weighted and summed here (moe_comm's combine kernel): one partial
    row per (token, rank), rounded to the activation dtype as DeepEP's combine does.
@@ -46,8 +52,13 @@ class EPState:
     group: Any
 
 
+# The fixed-size path up to this many received (row, choice) pairs (world * capacity * top_k): padded buffers
+# cost memory and bandwidth, which prefill-sized capacities would waste (DeepSeek-V3 at EP8, top-8: 256 tokens).
+FIXED_MAX_PAIRS = 16384
+
+
 def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any,
-             validate: bool = True) -> Pending[Dispatched]:
+             validate: bool = True, capacity: int | None = None) -> Pending[Dispatched]:
     check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if num_experts % world:
@@ -56,33 +67,45 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     t, k = topk_ids.shape
     h = x.shape[1]
     dev = x.device
+    fixed = capacity is not None and world * capacity * k <= FIXED_MAX_PAIRS
+    if fixed and t > capacity:
+        raise InvalidInputError(f"{t} tokens exceed the dispatch capacity {capacity} that every rank agreed on")
 
-    # Step 1: per (token, rank) choice counts, the rows and pairs each rank gets, and the send positions.
+    # Step 1: per (token, rank) choice counts and send positions (rows per destination: exchanged or fixed).
     owner = topk_ids.long() // local  # [T, k]
     pairs = torch.zeros(t, world, dtype=torch.int32, device=dev).scatter_add_(1, owner, torch.ones_like(owner, dtype=torch.int32))
     is_sent = pairs > 0
-    counts = torch.stack((is_sent.sum(0), pairs.sum(0)), 1).reshape(-1)  # [W * 2]: rows, pairs per destination
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    both = torch.cat((counts, recv_counts)).tolist()  # the one host synchronisation
-    send_splits, recv_splits = both[0 : 2 * world : 2], both[2 * world :: 2]
-    recv_pairs = sum(both[2 * world + 1 :: 2])
-    sent_total = sum(send_splits)
-    start = torch.tensor([sum(send_splits[:r]) for r in range(world)], dtype=torch.int32).to(dev, non_blocking=True)
     running = is_sent.to(torch.int32).cumsum(0, dtype=torch.int32)
+    if fixed:
+        send_splits = recv_splits = [capacity] * world
+        recv_pairs = None
+        start = torch.arange(0, world * capacity, capacity, dtype=torch.int32, device=dev)
+    else:
+        counts = torch.stack((is_sent.sum(0), pairs.sum(0)), 1).reshape(-1)  # [W * 2]: rows, pairs per destination
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+        both = torch.cat((counts, recv_counts)).tolist()  # the one host synchronisation
+        send_splits, recv_splits = both[0 : 2 * world : 2], both[2 * world :: 2]
+        recv_pairs = sum(both[2 * world + 1 :: 2])
+        start = torch.tensor([sum(send_splits[:r]) for r in range(world)], dtype=torch.int32).to(dev, non_blocking=True)
     send_row = torch.where(is_sent, running - 1 + start, -1).to(torch.int32)  # [T, W]
+    slots = sum(send_splits)
 
     # Step 2: the send buffer: hidden row, then the k local ids and k weights as float32, viewed in x's dtype.
-    slot = torch.where(is_sent, send_row, sent_total).reshape(-1).long()  # unsent (token, rank) -> a spare slot
-    pair_of_slot = torch.empty(sent_total + 1, dtype=torch.int64, device=dev)
+    # (token, rank) pairs not sent write a spare last slot; unused fixed slots keep ids -1 (nothing to do).
+    slot = torch.where(is_sent, send_row, slots).reshape(-1).long()
+    pair_of_slot = torch.full((slots + 1,), t * world, dtype=torch.int64, device=dev)
     pair_of_slot.scatter_(0, slot, torch.arange(t * world, device=dev))
-    pair_of_slot = pair_of_slot[:sent_total]  # (token * W + rank) of each sent row
-    token, dest = pair_of_slot // world, pair_of_slot % world
-    ids_of_slot = topk_ids.long().index_select(0, token)  # [S, k]
-    mine = (ids_of_slot // local) == dest[:, None]
+    pair_of_slot = pair_of_slot[:slots]  # (token * W + rank) of each row, or T * W for an unused one
+    used = pair_of_slot < t * world
+    token, dest = torch.where(used, pair_of_slot // world, 0), pair_of_slot % world
+    ids_of_slot = topk_ids.long().index_select(0, token) if t else torch.zeros(slots, k, dtype=torch.int64, device=dev)
+    mine = ((ids_of_slot // local) == dest[:, None]) & used[:, None]
+    chosen = topk_weights.index_select(0, token).float() if t else torch.zeros(slots, k, device=dev)
     meta = torch.cat((torch.where(mine, ids_of_slot - dest[:, None] * local, -1).to(torch.float32),
-                      torch.where(mine, topk_weights.index_select(0, token).float(), 0.0)), 1)
-    send = torch.cat((x.index_select(0, token), meta.view(x.dtype)), 1)
+                      torch.where(mine, chosen, 0.0)), 1)
+    rows = x.index_select(0, token) if t else x.new_zeros(slots, h)
+    send = torch.cat((rows, meta.view(x.dtype)), 1)
     recv = send.new_empty(sum(recv_splits), send.shape[1])
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
 
@@ -98,7 +121,8 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
         state = EPState(row_of_pair, weights, send_row, is_sent.to(torch.float32), send_splits,
                         recv_splits, x.dtype, group)
-        return Dispatched(grouped.hidden[:recv_pairs], grouped.group_sizes[:local], rank * local, state)
+        hidden = grouped.hidden if recv_pairs is None else grouped.hidden[:recv_pairs]
+        return Dispatched(hidden, grouped.group_sizes[:local], rank * local, state)
 
     # The closure keeps the send buffer alive until the collective finishes.
     return Pending(finish, (work,))

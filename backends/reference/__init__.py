@@ -63,7 +63,8 @@ class ReferenceBackend(Backend):
         return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)  # reads the sizes anyway
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None, *,
-                 validate: bool = True) -> Pending[Dispatched]:
+                 validate: bool = True, capacity: int | None = None) -> Pending[Dispatched]:
+        # capacity is only an allowance: this backend always sizes its buffers from exchanged counts.
         return comm.dispatch(x, topk_ids, topk_weights, num_experts, group, validate)
 
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:

@@ -7,6 +7,10 @@ each graph is made once with room for sequences up to max_seq_len; a step re-pla
 buffer and replays. Everything a step changes lives in those persistent tensors, so the captured kernels
 never see a new pointer.
 
+Under expert parallelism (moe_capacity) each graph's MoE dispatch is sized for its batch size, so it uses
+fixed-size buffers with no host synchronisation, and the ranks replay graphs of one size together (the size
+agreed on for the step; a rank with nothing to run replays it on dummy rows alone, see run_idle).
+
 On a CPU device (the Triton interpreter in CI) there is nothing to capture: a "replay" re-runs the same
 forward on the same persistent buffers, so the padding and re-planning logic is tested without a GPU.
 """
@@ -52,7 +56,7 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekModel, backend: Backend, spec: KVCacheSpec, kv_caches: Sequence[torch.Tensor],
-                 sink_block: int, batch_sizes: Sequence[int], max_seq_len: int):
+                 sink_block: int, batch_sizes: Sequence[int], max_seq_len: int, moe_capacity: bool = False):
         if not backend.capabilities.graph_capture:
             raise ConfigError(f"backend {backend.name!r} cannot capture graphs (capabilities.graph_capture is False)")
         if not batch_sizes or min(batch_sizes) < 1:
@@ -61,6 +65,7 @@ class DecodeGraphs:
         self.kv_caches = tuple(kv_caches)
         self.sink_block = sink_block
         self.max_seq_len = max_seq_len
+        self.moe_capacity = moe_capacity
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self._graphs: dict[int, _Captured] = {}
         self._on_gpu = backend.device.type == "cuda"
@@ -77,7 +82,8 @@ class DecodeGraphs:
         return AttentionBatch(q + (1,) * pad, s + (1,) * pad, t + ((self.sink_block,),) * pad)
 
     def _forward(self, ids: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.forward(ids, ForwardContext(plan, self.kv_caches))
+        capacity = ids.shape[0] if self.moe_capacity else None
+        hidden = self.model.forward(ids, ForwardContext(plan, self.kv_caches, moe_capacity=capacity))
         return hidden, self.model.compute_logits(hidden)
 
     def capture(self) -> None:
@@ -115,10 +121,11 @@ class DecodeGraphs:
                 and max(batch.seq_lens) <= self.max_seq_len and self.size_for(batch.num_seqs) is not None
                 and len(logit_rows) == batch.num_seqs and all(r == i for i, r in enumerate(logit_rows)))
 
-    def run(self, batch: AttentionBatch, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: AttentionBatch, input_ids: torch.Tensor, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this decode step: (hidden [B, H], logits [B, V]) views of the graph's outputs,
-        valid until the next replay of the same size."""
-        size = self.size_for(batch.num_seqs)
+        valid until the next replay of the same size. size: a captured size to pad to (default the smallest
+        that holds the batch)."""
+        size = size or self.size_for(batch.num_seqs)
         entry = self._graphs[size]
         n = batch.num_seqs
         plan = self.backend.plan_attention(self._padded(batch, size), self.spec, into=entry.plan)
@@ -131,6 +138,11 @@ class DecodeGraphs:
             entry.hidden, entry.logits = self._forward(entry.input_ids, plan)
         return entry.hidden[:n], entry.logits[:n]
 
+
+    def run_idle(self, size: int) -> None:
+        """Replay one size's graph on dummy rows alone (expert parallelism: a rank with nothing to run still
+        enters the step's collectives with the others)."""
+        self.run(AttentionBatch((), (), ()), self._graphs[size].input_ids[:0], size)
 
     def replay(self, size: int) -> None:
         """Replay the graph of one captured size on its current buffers (profiling: no re-planning)."""

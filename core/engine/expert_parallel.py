@@ -9,6 +9,11 @@ same order. Each step the ranks all_reduce (MAX, on a gloo CPU group) whether an
 - no rank has work: every rank skips the step (nothing runs, nothing is recorded);
 - otherwise every rank runs exactly one forward: its scheduled batch, or, when it scheduled nothing, an idle
   forward that enters each MoE layer's dispatch/combine with zero tokens (LLMEngine.idle_forward hook).
+Before that forward the ranks agree (a second all_reduce, `agree`) on the step's dispatch capacity, the most
+tokens any rank runs, and on whether every rank's step is a decode a captured graph serves. If so, all replay
+the graph of the smallest captured size holding the capacity (an idle rank on dummy rows alone), its MoE
+dispatch on fixed-size buffers; otherwise all run eagerly with that capacity (fixed-size buffers while small,
+exchanged counts past that: the backend decides from the capacity alone, so alike on every rank).
 After the step each rank's EPLB balancer ticks (same step count and summed load on every rank, so they
 decide alike; rank 0's placement is broadcast) and, when it rebalances, migrates weights between steps.
 
@@ -139,14 +144,29 @@ class ExpertParallelEngine:
         self.balancer = balancer
         self.steps = 0
         engine.idle_forward = self.idle_forward
+        engine.runner.agree = self.agree
+
+    def agree(self, tokens: int, graphed: bool) -> tuple[int, bool]:
+        """Collective: (the most tokens any rank runs this step, whether a graph serves every rank's step)."""
+        flags = torch.tensor([tokens, int(not graphed)], dtype=torch.int64)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        return int(flags[0]), not bool(flags[1])
 
     def idle_forward(self) -> None:
-        """Enter every main-stack MoE layer's collectives, in forward order, with zero tokens."""
+        """Enter the step's collectives with no tokens: the agreed graph on dummy rows, or every main-stack MoE
+        layer's dispatch/combine in forward order."""
+        capacity, graphed = self.agree(0, True)
+        graphs = self.engine.runner.graphs
+        size = graphs.size_for(capacity) if graphed and graphs is not None else None
+        if size is not None:
+            graphs.run_idle(size)
+            return
         model = self.engine.model
         empty = torch.empty(0, model.config.hidden_size, dtype=model.embed_tokens.dtype, device=self.engine.backend.device)
         for layer in model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.forward(empty)
+                layer.mlp.forward(empty, capacity)
 
     def any_rank_has_work(self) -> bool:
         """Collective: whether any rank has unfinished requests."""

@@ -103,7 +103,8 @@ class LLMEngine:
         kv_dtype = engine_config.kv_cache_dtype or {torch.float32: "fp32", torch.float16: "fp16"}.get(act, "bf16")
         spec = kv_cache_spec(self.model, backend, engine_config, self.max_model_len, kv_dtype,
                              logit_rows=engine_config.max_num_seqs + 2 * PROMPT_LOGITS_ROWS)
-        self.runner = ModelRunner(model, backend, spec, self._graph_batch_sizes(), self.max_model_len)
+        self.runner = ModelRunner(model, backend, spec, self._graph_batch_sizes(), self.max_model_len,
+                                  expert_parallel=engine_config.expert_parallel_size > 1)
         from deepinfer.spec.speculator import build_speculator
 
         self.speculator = speculator or build_speculator(engine_config, model, self.runner, type(backend).__name__)
@@ -156,9 +157,10 @@ class LLMEngine:
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
-        experts are spread over ranks (the all-to-all exchanges sizes through the host, which graphs forbid)."""
+        EPLB may move experts (its load recorder writes a per-step slot, and migration replaces the weight
+        tensors a graph would still point at)."""
         ec = self.engine_config
-        if (ec.enforce_eager or ec.expert_parallel_size > 1 or not self.backend.capabilities.graph_capture
+        if (ec.enforce_eager or ec.enable_eplb or not self.backend.capabilities.graph_capture
                 or self.backend.device.type != "cuda"):
             return ()
         return default_batch_sizes(min(ec.cuda_graph_max_batch_size, ec.max_num_seqs))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,21 +26,27 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: DeepseekModel, backend: Backend, spec: KVCacheSpec,
-                 graph_batch_sizes: Sequence[int] = (), max_seq_len: int | None = None):
+                 graph_batch_sizes: Sequence[int] = (), max_seq_len: int | None = None, expert_parallel: bool = False):
         """spec: the cache the scheduler hands out. With graph_batch_sizes (a backend that captures graphs),
         one more block is allocated as the padding sink and decode graphs are captured for those sizes,
-        serving sequences up to max_seq_len."""
+        serving sequences up to max_seq_len. expert_parallel: one rank of several; its graphs size the MoE
+        dispatch for their batch, and `agree` (set by deepinfer.engine.expert_parallel) settles each step's
+        dispatch capacity and whether graphs run, the same on every rank."""
         self.model = model
         self.backend = backend
         self.num_usable_blocks = spec.num_blocks
         self.graphs: DecodeGraphs | None = None
+        # (this rank's tokens, whether a graph serves its step) -> (the step's capacity, whether every rank's
+        # step is graph-served): a collective, so every rank calls it once per forward.
+        self.agree: Callable[[int, bool], tuple[int, bool]] | None = None
         if graph_batch_sizes:
             spec, sink = reserve_sink(spec)
         self.spec = spec
         self.kv_caches = tuple(backend.allocate_kv_cache(spec) for _ in range(model.num_cache_layers))
         if graph_batch_sizes:
             limit = max_seq_len or model.config.max_position_embeddings
-            self.graphs = DecodeGraphs(model, backend, spec, self.kv_caches, sink, graph_batch_sizes, limit)
+            self.graphs = DecodeGraphs(model, backend, spec, self.kv_caches, sink, graph_batch_sizes, limit,
+                                       moe_capacity=expert_parallel)
             self.graphs.capture()
 
     @staticmethod
@@ -59,11 +65,17 @@ class ModelRunner:
         as overlap.pending_input(row) are taken from it."""
         device = self.backend.device
         ids = resolve_inputs(to_device(input_ids, torch.int64, device), pending_tokens)
-        if self.graphs is not None and not capture_layers and self.graphs.serves(batch, logit_rows):
-            hidden, logits = self.graphs.run(batch, ids)
+        graphed = self.graphs is not None and not capture_layers and self.graphs.serves(batch, logit_rows)
+        size = capacity = None
+        if self.agree is not None:
+            capacity, everyone = self.agree(batch.num_tokens, graphed)
+            size = self.graphs.size_for(capacity) if graphed and everyone else None
+            graphed = size is not None
+        if graphed:
+            hidden, logits = self.graphs.run(batch, ids, size)
             return StepOutput(hidden, logits, graphed=True)
         plan = self.backend.plan_attention(batch, self.spec)
-        ctx = ForwardContext(plan, self.kv_caches)
+        ctx = ForwardContext(plan, self.kv_caches, moe_capacity=capacity)
         captured: list[torch.Tensor] = []
         if capture_layers:
             hidden, captured = self.model.forward_capture(ids, ctx, capture_layers)

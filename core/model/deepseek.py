@@ -92,6 +92,8 @@ class DecoderLayer:
             normed, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
         attn = self.self_attn.forward(normed, ctx, self.index)
         normed, residual = ops.add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
+        if isinstance(self.mlp, MoE):
+            return self.mlp.forward(normed, ctx.moe_capacity), residual
         return self.mlp.forward(normed), residual
 
 

@@ -85,7 +85,8 @@ class MoE:
             out = out + mlp.forward(x)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+        """capacity: under expert parallelism, the token bound every rank's dispatch passes alike."""
         be = self.backend
         fold = self.folded_shared if x.shape[0] <= self.fold_max_tokens else 0
         weights, ids = self._route(x, fold)
@@ -97,7 +98,7 @@ class MoE:
             pending = be.dispatch(x, ids, weights, num_experts, validate=False)  # ids from the router
         else:
             pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group,
-                                  validate=False)
+                                  validate=False, capacity=capacity)
         # Shared experts need no routed tokens: compute them while the dispatch is in flight.
         shared = None
         if self.shared_experts is not None:

@@ -32,12 +32,16 @@ def _expected(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_
     return out
 
 
-def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local):
-    """dispatch -> each local expert's linear map via grouped_linear -> combine."""
-    d = backend.dispatch(x, ids, weights, num_experts).wait()
+def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local, capacity=None):
+    """dispatch -> each local expert's linear map via grouped_linear -> combine. With a capacity the
+    dispatched rows may end in padding past the group sizes (fixed-size buffers), which the GEMM skips."""
+    d = backend.dispatch(x, ids, weights, num_experts, capacity=capacity).wait()
     assert isinstance(d, Dispatched) and d.first_expert == first and d.group_sizes.shape == (local,)
     lw = LinearWeight.dense(expert_w[first : first + local].to(x.dtype))
-    y = backend.grouped_linear(d.hidden, lw, d.group_sizes)
+    if capacity is not None and d.hidden.shape[0] > int(d.group_sizes.sum()):
+        y = backend.grouped_linear(d.hidden, lw, d.group_sizes, validate=False)
+    else:
+        y = backend.grouped_linear(d.hidden, lw, d.group_sizes)
     return d, backend.combine(d, y).wait()
 
 
@@ -138,8 +142,12 @@ def _worker(rank: int, name: str, tmp: str) -> None:
         results = []
         for case in inputs["cases"]:
             x, ids, weights = (t.to(dev) for t in case[rank])
-            d, out = _run_moe(backend, x, ids, weights, inputs["expert_w"].to(dev), E, rank * E // WORLD, E // WORLD)
-            results.append((d.group_sizes.cpu(), out.cpu()))
+            # Buffers sized from exchanged counts, then fixed ones of a capacity both ranks pass alike.
+            capacity = max(len(c[0]) for c in case) + 1
+            for cap in (None, capacity):
+                d, out = _run_moe(backend, x, ids, weights, inputs["expert_w"].to(dev), E, rank * E // WORLD,
+                                  E // WORLD, cap)
+                results.append((d.group_sizes.cpu(), out.cpu()))
         # Every rank raises before communicating, so a bad expert count cannot hang the group.
         try:
             backend.dispatch(x, ids, weights, E + 1).wait()
@@ -179,11 +187,13 @@ def test_two_ranks_match_single_process(backend, gen, tmp_path):
                 p.kill()
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(WORLD)]
 
-    for c, case in enumerate(cases):
+    for i in range(2 * len(cases)):  # each case with exchanged counts, then with a fixed capacity
+        c = i // 2
+        case = cases[c]
         all_ids = torch.cat([ids for _, ids, _ in case]).flatten()
         counts = torch.bincount(all_ids, minlength=E)
         for r in range(WORLD):
-            sizes, out = outs[r]["results"][c]
+            sizes, out = outs[r]["results"][i]
             assert sizes.tolist() == counts[r * E // WORLD : (r + 1) * E // WORLD].tolist(), (c, r)
             rtol = 1e-5 if CASES[c][3] == torch.float32 else 2e-2
             _close(out, _expected(*case[r], expert_w), rtol)
