@@ -11,11 +11,12 @@ device README names are set before anything starts). Each rank routes T tokens (
 uniformly, experts split evenly over the ranks) through `backend.dispatch` and `backend.combine`: the path the
 MoE layer takes under expert parallelism, with identity experts. Each backend in --backends is measured in the
 same run (cuda_sm100: one row per (token, destination rank) with its routing attached, buffers sized from
-exchanged counts, and "cuda_sm100 fixed": buffers of T rows per rank, no host sync, as CUDA graphs run it;
-reference: one row per (token, expert) pair). Timed per iteration after a barrier, the slowest rank's time, median over --iters:
+exchanged counts; "cuda_sm100 fixed": buffers of T rows per rank, no host sync; "cuda_sm100 graphed": the
+fixed path captured in CUDA graphs, as the engine's decode graphs run it; reference: one row per (token, expert)
+pair). Timed per iteration after a barrier, the slowest rank's time, median over --iters:
 - dispatch alone, combine alone, and dispatch + combine;
 - the peer: one `all_to_all_single` of the bytes cuda_sm100's dispatch sends (what the NCCL transport alone
-  costs for them).
+  costs for them), eager, and captured in a CUDA graph for the graphed rows.
 Bytes, as DeepEP counts them: one bf16 hidden row per token and remote rank it must reach; GB/s = the most
 bytes any rank sends / time. DeepEP's published figures (issue 13): intranode dispatch 153 GB/s on H800;
 low-latency dispatch 77 us at EP8 (128 tokens per rank, hidden 7168, top-8).
@@ -78,6 +79,11 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
             dist.all_reduce(b, op=dist.ReduceOp.MAX, group=host)
             row = {"tokens": tokens, "remote_rows": remote_rows, "bytes": float(b),
                    "all_to_all": _timed(lambda: dist.all_to_all_single(recv, send), dev, args.iters, host)}
+            if nccl:  # the transport alone inside a CUDA graph: the peer of the graphed rows below
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    dist.all_to_all_single(recv, send)
+                row["all_to_all graphed"] = _timed(graph.replay, dev, args.iters, host)
             for name, (backend, capacity) in _variants(backends, tokens).items():
                 pending = {}
 
@@ -95,6 +101,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                     if step == "combine":
                         dispatch()
                     row[f"{name} {step}"] = _timed(fn, dev, args.iters, host)
+                if name == "cuda_sm100 fixed" and dev.type == "cuda":
+                    row.update(_graphed(backend, x, ids, weights, args, tokens, dev, host))
                 if args.profile and rank == 0:
                     _profile(both, dev, f"{name}, {tokens} tokens/rank: dispatch + combine x 5")
                 elif args.profile:
@@ -116,6 +124,23 @@ def _variants(backends: dict, tokens: int) -> dict:
     if "cuda_sm100" in backends:
         out["cuda_sm100 fixed"] = (backends["cuda_sm100"], tokens)
     return out
+
+
+def _graphed(backend, x, ids, weights, args, capacity: int, dev, host) -> dict:
+    """The fixed-capacity dispatch and combine captured in CUDA graphs (as the engine's decode graphs hold
+    them): device time with no host work. Every rank captures the same calls together."""
+    d = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
+    backend.combine(d, d.hidden).wait()  # compiled and warm outside the capture
+    torch.cuda.synchronize(dev)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        d = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
+    with torch.cuda.graph(gc):
+        backend.combine(d, d.hidden).wait()
+    torch.cuda.synchronize(dev)
+    both = lambda: (gd.replay(), gc.replay())  # noqa: E731
+    return {f"cuda_sm100 graphed {step}": _timed(fn, dev, args.iters, host)
+            for step, fn in (("dispatch", gd.replay), ("combine", gc.replay), ("dispatch+combine", both))}
 
 
 def _profile(fn, dev: torch.device, title: str) -> None:
@@ -192,8 +217,9 @@ def main() -> int:
         for name in [n for n in r if n.endswith(" dispatch")]:
             name = name[: -len(" dispatch")]
             d, c, dc = (r[f"{name} {step}"] for step in ("dispatch", "combine", "dispatch+combine"))
+            a2a = r.get("all_to_all graphed", r["all_to_all"]) if "graphed" in name else r["all_to_all"]
             print(f"| {r['tokens']} | {name} | {d * 1e6:.1f} | {c * 1e6:.1f} | {dc * 1e6:.1f} | "
-                  f"{r['all_to_all'] * 1e6:.1f} | {gbs(d):.1f} | {gbs(r['all_to_all']):.1f} | {d / r['all_to_all']:.2f} |")
+                  f"{a2a * 1e6:.1f} | {gbs(d):.1f} | {gbs(a2a):.1f} | {d / a2a:.2f} |")
     print("DeepEP (H800, issue 13): intranode dispatch 153 GB/s; low-latency dispatch 77 us at EP8, 128 tokens.")
     if args.json:
         with open(args.json, "w") as fh:

@@ -9,8 +9,8 @@ NVLink multicast is off (NCCL_NVLS_ENABLE=0 and the others, set at import, inher
 Phases run in spawned processes, killed past --timeout s; each builds the model with transformers (same --seed:
 same weights everywhere) and DeepInfer loads it from memory, a rank only its experts. Printed (markdown):
 - peer (GPU 0, no EP, exits before the ranks start): decode tok/s of --batch requests of --context random
-  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap (the EP engine runs
-  decode graphs without overlap when EPLB is off, eagerly when it is on: no overlap with an idle-forward hook).
+  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager with overlap (the EP engine runs
+  decode graphs when EPLB is off, eagerly when it is on, overlapped either way).
 - ep (N ranks, --batch requests each): lockstep ExpertParallelEngine.step() until every request has its first
   token, then --gen decode steps timed at full batch. Per rank and overall: decode tok/s per GPU, total, median
   step ms, ratio to the peer, rows its experts received, host s in dispatch/combine (their size exchange syncs
@@ -64,6 +64,9 @@ class Solo:
     def agree(self, flag: bool) -> bool:
         return flag
 
+    def snapshot(self) -> dict:
+        return {}
+
     def drain(self) -> None:
         while self.engine.has_unfinished():
             self.engine.step()
@@ -94,7 +97,8 @@ class Lockstep(Solo):
 
                 def finish():
                     value = timed(kind, pending.wait)
-                    self.meter["rows"] += value.hidden.shape[0] if kind == "dispatch" else 0
+                    if kind == "dispatch":  # routed pairs (fixed-capacity dispatch pads hidden past them); no sync
+                        self._rows += value.group_sizes.sum()
                     return value
                 return Pending(finish)
             return call
@@ -103,7 +107,11 @@ class Lockstep(Solo):
         self.reset()
 
     def reset(self) -> None:
-        self.meter.update(dispatch=0.0, combine=0.0, rows=0)
+        self.meter.update(dispatch=0.0, combine=0.0)
+        self._rows = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def snapshot(self) -> dict:
+        return dict(self.meter, rows=int(self._rows))
 
     def step(self) -> list:
         return self.ep.step() or []
@@ -120,7 +128,7 @@ class Lockstep(Solo):
 def _max_tokens(args, windows: int) -> int:
     """Enough that no request ends before the last window (and the profile): requests prefilled in the first
     chunks decode while later ones prefill, at most ~2 steps per chunk of the whole batch's prompts."""
-    return 2 * -(-args.batch * (args.context + 1) // args.chunk) + 4 + windows * args.gen + args.profile_steps + 4
+    return 2 * -(-args.batch * (args.context + 1) // args.chunk) + 4 + windows * (args.gen + args.profile_steps + 2) + 4
 
 
 def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile: bool = False) -> dict:
@@ -160,11 +168,11 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
         seconds = time.perf_counter() - t0
         tokens = engine.stats().generated_tokens - before
         out["windows"].append(dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds, running=engine.stats().running,
-                                   median_step_ms=statistics.median(steps) * 1e3, **(run.meter or {})))
-    if profile and args.profile_steps:
-        for _ in range(2):  # warm again after the window, outside the profile
-            run.step()
-        out["profile"] = profile_steps(run, args.profile_steps)
+                                   median_step_ms=statistics.median(steps) * 1e3, **run.snapshot()))
+        if profile and args.profile_steps:
+            for _ in range(2):  # warm again after the window, outside the profile
+                run.step()
+            out["windows"][-1]["profile"] = profile_steps(run, args.profile_steps)
     for rid in ids:
         engine.abort(rid)
     run.drain()
@@ -199,18 +207,21 @@ def profile_steps(run: Lockstep, n: int) -> dict:
         def comm_us(e) -> float:
             return sum(k.duration for k in e.kernels if is_comm(k.name)) + sum(comm_us(c) for c in e.cpu_children)
 
-        total = sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU and is_comm(e.name))
+        kernels = [e for e in events if e.device_type != DeviceType.CPU]
+        total = sum(e.time_range.elapsed_us() for e in kernels if is_comm(e.name))
+        busy = sum(e.time_range.elapsed_us() for e in kernels if not is_comm(e.name))  # compute, not waiting
         for _, kind, e in ranges:
             part[kind] += comm_us(e)
     else:  # gloo runs on its own thread: an op belongs to the last range begun before it
         comm = [e for e in events if is_comm(e.name)]
         total = sum(e.cpu_time_total for e in comm)
+        busy = float("nan")
         for e in comm:
             for start, kind, _ in reversed(ranges):
                 if start <= e.time_range.start:
                     part[kind] += e.cpu_time_total
                     break
-    return dict(steps=n, wall_s=wall, comm_s=total / 1e6, dispatch_comm_s=part["dispatch"] / 1e6,
+    return dict(steps=n, wall_s=wall, comm_s=total / 1e6, compute_s=busy / 1e6, dispatch_comm_s=part["dispatch"] / 1e6,
                 combine_comm_s=part["combine"] / 1e6, host_s=run.meter["dispatch"] + run.meter["combine"],
                 kind="NCCL kernel" if on_gpu else "gloo op")
 
@@ -246,7 +257,7 @@ def _free(device: str) -> None:
 
 
 def _peer(_, args, out: str) -> None:
-    """One GPU, no expert parallelism: graphs + overlap (the defaults), then eager without overlap."""
+    """One GPU, no expert parallelism: graphs + overlap (the defaults), then eager with overlap."""
     device, dtype = _setup(args, 0)
     hf, cfg = e2e.build_transformers(_shape(args), device, dtype, args.seed)
     ns = argparse.Namespace(backend=args.backend, tiny=args.smoke, batches=[args.batch], chunk=args.chunk,
@@ -258,7 +269,6 @@ def _peer(_, args, out: str) -> None:
     results = {"device": args.device_name, "graphs": run_batch(run, args, "peer-graphs")}
     _write(out, results)
     engine.runner.graphs = None  # as e2e.profile_eager_step: the eager path of the same engine
-    engine.engine_config = engine.engine_config.model_copy(update={"overlap_scheduling": False})
     results["eager"] = run_batch(run, args, "peer-eager")
     _write(out, results)
 
@@ -334,7 +344,7 @@ def _rank(rank: int, args, tmp: str) -> None:
                         imbalance_before=event.imbalance_before, imbalance_after=event.imbalance_after,
                         placement_after=balancer.placement.phy2log.tolist())
 
-        results["eplb"] = cell = run_batch(run, args, "eplb", windows=2, between=rebalance)
+        results["eplb"] = cell = run_batch(run, args, "eplb", windows=2, between=rebalance, profile=True)
         if "windows" in cell:  # the recorder's window is now the second timed window
             cell.update(info, imbalance_window2=imbalance(balancer.placement.phy2log, balancer.global_load(), args.world))
         _write(out, results)
@@ -373,7 +383,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     print(f"\n## One {device}, no expert parallelism (batch {args.batch}, context {args.context}, {args.gen} decode steps)")
     _row("engine", "decode tok/s", "median step ms", "prefill s", head=True)
     ref = {}
-    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs with EPLB)")):
+    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager + overlap (as EP runs with EPLB)")):
         c = peer.get(name)
         if _ok(c):
             w = c["windows"][0]
@@ -383,9 +393,9 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     ratio = lambda x, k: f"{x / ref[k]:.2f}x" if ref.get(k) else "-"  # noqa: E731
     cells = [r.get("ep") for r in ranks]
     if any(_ok(c) for c in cells):
-        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank; decode graphs, no overlap)")
-        _row("rank", "decode tok/s", "median step ms", "vs 1 GPU graphs", "vs 1 GPU eager", "rows received",
-             "host s in dispatch", "host s in combine", head=True)
+        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank; decode graphs + overlap)")
+        _row("rank", "decode tok/s", "median step ms", "vs 1 GPU graphs", "vs 1 GPU eager",
+             "routed pairs received (eager steps)", "host s in dispatch (eager)", "host s in combine (eager)", head=True)
         for r, c in enumerate(cells):
             w = c["windows"][0] if _ok(c) else None
             _row(r, *([f"{w['tok_s']:.1f}", f"{w['median_step_ms']:.2f}", ratio(w["tok_s"], "graphs"), ratio(w["tok_s"], "eager"),
@@ -395,16 +405,17 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
         _row("all", f"{total:.1f} total, {total / args.world:.1f} per GPU", "", ratio(total / args.world, "graphs"),
              ratio(total / args.world, "eager"), "", "", "")
         print("\n## Network wait (profiled decode steps after the timed window; the profiler slows the host)")
-        _row("rank", "steps", "step ms", "comm ms/step", "comm / wall", "launched in dispatch", "in combine",
-             "host ms/step in dispatch+combine", head=True)
-        for r, c in enumerate(cells):
-            p = (c or {}).get("profile")
+        _row("rank", "steps", "step ms", "compute ms/step", "comm ms/step", "comm / wall", "launched in dispatch",
+             "in combine", "host ms/step in dispatch+combine", head=True)
+        profiles = [_profile(c, 0) for c in cells]
+        for r, p in enumerate(profiles):
             if p:
                 share = lambda x: f"{x / p['comm_s']:.0%}" if p["dispatch_comm_s"] + p["combine_comm_s"] else "-"  # noqa: E731
                 n = p["steps"]
-                _row(r, n, f"{p['wall_s'] / n * 1e3:.2f}", f"{p['comm_s'] / n * 1e3:.2f}", f"{p['comm_s'] / p['wall_s']:.1%}",
-                     share(p["dispatch_comm_s"]), share(p["combine_comm_s"]), f"{p['host_s'] / n * 1e3:.2f}")
-        kind = next((c["profile"]["kind"] for c in cells if c and c.get("profile")), "")
+                _row(r, n, f"{p['wall_s'] / n * 1e3:.2f}", f"{p['compute_s'] / n * 1e3:.2f}", f"{p['comm_s'] / n * 1e3:.2f}",
+                     f"{p['comm_s'] / p['wall_s']:.1%}", share(p["dispatch_comm_s"]), share(p["combine_comm_s"]),
+                     f"{p['host_s'] / n * 1e3:.2f}")
+        kind = next((p["kind"] for p in profiles if p), "")
         print(f"comm: {kind} time (it includes waiting on slower peers and may overlap shared-expert compute).")
     elif any(cells):
         print(f"\nexpert parallel: {[(c or {}).get('skipped', 'no result') for c in cells]}")
@@ -416,17 +427,25 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     layer, hot = next(iter(c0["hot"].items()))
     print(f"\n## EPLB on a skewed router ({args.redundant} redundant slots; +{args.skew_bias} correction bias on "
           f"{len(hot)} experts per layer, all on rank 0, e.g. layer {layer}: {hot})")
-    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "rows/rank max/mean (measured)",
-         "modelled imbalance", head=True)
+    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "routed pairs/rank max/mean (measured)",
+         "modelled imbalance", "GPU compute ms/step per rank (profiled)", head=True)
     for w, name, model in ((0, "initial", c0["imbalance_before"]), (1, "after rebalance", c0["imbalance_window2"])):
         tot, rows = sum(c["windows"][w]["tok_s"] for c in cells), [c["windows"][w]["rows"] for c in cells]
+        compute = [_profile(c, w) for c in cells]
+        compute = " / ".join(f"{p['compute_s'] / p['steps'] * 1e3:.2f}" if p else "-" for p in compute)
         _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{c0['windows'][w]['median_step_ms']:.2f}",
-             f"{max(rows) / max(1e-9, statistics.mean(rows)):.2f}", f"{model:.3f}")
+             f"{max(rows) / max(1e-9, statistics.mean(rows)):.2f}", f"{model:.3f}", compute)
     moved = sum(a != b for ra, rb in zip(c0["placement_before"], c0["placement_after"]) for a, b in zip(ra, rb))
     print(f"hot experts' share of routed pairs (static window): {c0['hot_share']:.1%}; rebalance: {c0['transfers']} "
           f"expert copies moved ({moved} slots changed) in {c0['rebalance_s']:.2f} s; modelled imbalance on the "
           f"static window {c0['imbalance_before']:.3f} -> {c0['imbalance_after']:.3f}")
     print(f"layer {layer} slots before: {c0['placement_before'][0]}\nlayer {layer} slots after:  {c0['placement_after'][0]}")
+
+
+def _profile(cell, window: int) -> dict | None:
+    """The profile taken after a cell's timed window, if any."""
+    windows = (cell or {}).get("windows") or []
+    return windows[window].get("profile") if window < len(windows) else None
 
 
 def main() -> int:

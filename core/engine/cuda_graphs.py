@@ -132,25 +132,28 @@ class DecodeGraphs:
         entry.input_ids[:n].copy_(input_ids, non_blocking=True)
         if n < size:
             entry.input_ids[n:].zero_()
-        if entry.graph is not None:
-            entry.graph.replay()
-        else:
-            entry.hidden, entry.logits = self._forward(entry.input_ids, plan)
+        self._replay(entry, plan)
         return entry.hidden[:n], entry.logits[:n]
 
 
     def run_idle(self, size: int) -> None:
         """Replay one size's graph on dummy rows alone (expert parallelism: a rank with nothing to run still
         enters the step's collectives with the others)."""
-        self.run(AttentionBatch((), (), ()), self._graphs[size].input_ids[:0], size)
+        entry = self._graphs[size]
+        plan = self.backend.plan_attention(self._padded(None, size), self.spec, into=entry.plan)
+        entry.input_ids.zero_()
+        self._replay(entry, plan)
 
     def replay(self, size: int) -> None:
         """Replay the graph of one captured size on its current buffers (profiling: no re-planning)."""
         entry = self._graphs[size]
+        self._replay(entry, entry.plan)
+
+    def _replay(self, entry: _Captured, plan: AttentionPlan) -> None:
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            entry.hidden, entry.logits = self._forward(entry.input_ids, entry.plan)
+            entry.hidden, entry.logits = self._forward(entry.input_ids, plan)
 
 
 def reserve_sink(spec: KVCacheSpec) -> tuple[KVCacheSpec, int]:

@@ -157,6 +157,8 @@ class ExpertParallelEngine:
         """Enter the step's collectives with no tokens: the agreed graph on dummy rows, or every main-stack MoE
         layer's dispatch/combine in forward order."""
         capacity, graphed = self.agree(0, True)
+        if capacity == 0:  # every rank is idle (overlapped steps resolving their last tokens): nothing to exchange
+            return
         graphs = self.engine.runner.graphs
         size = graphs.size_for(capacity) if graphed and graphs is not None else None
         if size is not None:

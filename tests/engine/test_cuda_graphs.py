@@ -90,6 +90,11 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
     # Not a decode step (two queries for one sequence): eager.
     batch = AttentionBatch((2,), (lens[0] + 2,), tables[:1])
     assert not graphed.execute(batch, [5, 6], [0, 1]).graphed
+    # An idle expert-parallel rank replays a graph on dummy rows alone: nothing outside the sink changes.
+    before = [cache[:num_blocks].clone() for cache in graphed.kv_caches]
+    for size in (4, 1):
+        graphed.graphs.run_idle(size)
+    assert all(torch.equal(cache[:num_blocks], b) for cache, b in zip(graphed.kv_caches, before, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,9 @@ def _requests(count: int) -> list[tuple[str, list[int], SamplingParams]]:
     out = []
     for i in range(count):
         prompt = torch.randint(2, VOCAB, (int(torch.randint(3, 20, (), generator=g)),), generator=g).tolist()
+        # Every other request without prompt log-probs: steps of those alone overlap scheduling with the device.
         params = SamplingParams(max_tokens=int(torch.randint(3, 15, (), generator=g)), temperature=0.0, ignore_eos=True,
-                                logprobs=0, prompt_logprobs=0)
+                                logprobs=0, prompt_logprobs=0 if i % 2 else None)
         out.append((f"r{i}", prompt, params))
     return out
 
@@ -45,7 +46,7 @@ def _summary(out) -> dict:
     return {
         "tokens": list(c.token_ids),
         "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-        "prompt_logprobs": [next(iter(p.values())).logprob if p else None for p in out.prompt_logprobs],
+        "prompt_logprobs": [next(iter(p.values())).logprob if p else None for p in out.prompt_logprobs or []],
     }
 
 

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     for rid, o in final.items():
         c = o.outputs[0]
         out[rid] = {"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                    "prompt_logprobs": [next(iter(p.values())).logprob if p else None for p in o.prompt_logprobs]}
+                    "prompt_logprobs": [next(iter(p.values())).logprob if p else None for p in o.prompt_logprobs or []]}
     return out
 
 
@@ -63,10 +63,12 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path):
     requests = []
     for i in range(5):
         prompt = torch.randint(2, VOCAB, (int(torch.randint(4, 30, (), generator=gen)),), generator=gen).tolist()
+        # Requests without prompt log-probs let the engine overlap scheduling with the device.
         params = SamplingParams(max_tokens=int(torch.randint(4, 12, (), generator=gen)), temperature=0.0,
-                                ignore_eos=True, logprobs=0, prompt_logprobs=0)
+                                ignore_eos=True, logprobs=0, prompt_logprobs=0 if i < 2 else None)
         requests.append((f"r{i}", prompt, params))
     assigned = [requests[:3], requests[3:]]  # rank 1 runs out of work first and joins with idle forwards
+    # (rank 1's requests have no prompt log-probs: all its steps overlap)
     results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned), tmp_path, timeout_s=240)
 
     one = LLM(checkpoint, **{k: v for k, v in _options(checkpoint, backend_name).items() if k != "model"})
