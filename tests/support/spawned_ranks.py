@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 from collections.abc import Callable
@@ -14,7 +15,8 @@ import torch.multiprocessing as mp
 def run_ranks(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 90.0) -> list[object]:
     """fn(rank, world, store_path, *args) on `world` spawned processes; returns each rank's torch.save'd result
     from tmp/out{rank}.pt (fn writes it via save_result). Kills every child past the deadline."""
-    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp), args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp), args, timeout_s), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=0.5):
@@ -27,7 +29,9 @@ def run_ranks(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float
     return [torch.load(tmp / f"out{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _entry(rank: int, fn: Callable, world: int, tmp: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, tmp: str, args: tuple, timeout_s: float) -> None:
+    # A hung collective shows where each rank waits: every thread's stack, just before the parent kills it.
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     torch.set_num_threads(1)  # two cores shared by every rank and the test itself
     result = fn(rank, world, f"file://{tmp}/store", *args)
     torch.save(result, f"{tmp}/out{rank}.pt")
