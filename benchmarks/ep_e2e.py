@@ -9,8 +9,8 @@ NVLink multicast is off (NCCL_NVLS_ENABLE=0 and the others, set at import, inher
 Phases run in spawned processes, killed past --timeout s; each builds the model with transformers (same --seed:
 same weights everywhere) and DeepInfer loads it from memory, a rank only its experts. Printed (markdown):
 - peer (GPU 0, no EP, exits before the ranks start): decode tok/s of --batch requests of --context random
-  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager with overlap (the EP engine runs
-  decode graphs when EPLB is off, eagerly when it is on, overlapped either way).
+  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap (as the EP engine
+  runs by default: EngineConfig.expert_parallel_graphs, experimental, turns graphs and overlap on under EP).
 - ep (N ranks, --batch requests each): lockstep ExpertParallelEngine.step() until every request has its first
   token, then --gen decode steps timed at full batch. Per rank and overall: decode tok/s per GPU, total, median
   step ms, ratio to the peer, rows its experts received, host s in dispatch/combine (their size exchange syncs
@@ -257,7 +257,7 @@ def _free(device: str) -> None:
 
 
 def _peer(_, args, out: str) -> None:
-    """One GPU, no expert parallelism: graphs + overlap (the defaults), then eager with overlap."""
+    """One GPU, no expert parallelism: graphs + overlap (the defaults), then eager without overlap."""
     device, dtype = _setup(args, 0)
     hf, cfg = e2e.build_transformers(_shape(args), device, dtype, args.seed)
     ns = argparse.Namespace(backend=args.backend, tiny=args.smoke, batches=[args.batch], chunk=args.chunk,
@@ -269,6 +269,7 @@ def _peer(_, args, out: str) -> None:
     results = {"device": args.device_name, "graphs": run_batch(run, args, "peer-graphs")}
     _write(out, results)
     engine.runner.graphs = None  # as e2e.profile_eager_step: the eager path of the same engine
+    engine.engine_config = engine.engine_config.model_copy(update={"overlap_scheduling": False})
     results["eager"] = run_batch(run, args, "peer-eager")
     _write(out, results)
 
@@ -320,9 +321,9 @@ def _rank(rank: int, args, tmp: str) -> None:
     ctx = init_distributed("gloo" if device == "cpu" else "nccl", rank=rank, world_size=args.world,
                            init_method=f"file://{tmp}/store", local_world_size=args.world, timeout_s=args.timeout)
     out, results = f"{tmp}/rank{rank}.json", {"device": args.device_name}
-    if "ep" in args.phases:
-        ep = _build_ep(args, ctx, device, dtype)
-        results["ep"] = run_batch(Lockstep(ep), args, "ep", profile=True)
+    for mode in args.ep_modes if "ep" in args.phases else ():
+        ep = _build_ep(args, ctx, device, dtype, expert_parallel_graphs=mode == "graphs")
+        results[f"ep-{mode}"] = run_batch(Lockstep(ep), args, f"ep-{mode}", profile=True)
         _write(out, results)
         del ep
         _free(device)
@@ -383,7 +384,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     print(f"\n## One {device}, no expert parallelism (batch {args.batch}, context {args.context}, {args.gen} decode steps)")
     _row("engine", "decode tok/s", "median step ms", "prefill s", head=True)
     ref = {}
-    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager + overlap (as EP runs with EPLB)")):
+    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs by default)")):
         c = peer.get(name)
         if _ok(c):
             w = c["windows"][0]
@@ -391,9 +392,36 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
         _row(label, *([f"{w['tok_s']:.1f}", f"{w['median_step_ms']:.2f}", f"{c['prefill_s']:.1f}"] if _ok(c)
                       else [(c or {}).get("skipped", peer.get("error", "not run")), "", ""]))
     ratio = lambda x, k: f"{x / ref[k]:.2f}x" if ref.get(k) else "-"  # noqa: E731
-    cells = [r.get("ep") for r in ranks]
+    for mode in args.ep_modes:
+        _report_ep(args, [r.get(f"ep-{mode}") for r in ranks], ratio,
+                   "decode graphs + overlap: expert_parallel_graphs" if mode == "graphs" else "eager, no overlap: the default")
+    cells = [r.get("eplb") for r in ranks]
+    if not cells or not all(_ok(c) and "transfers" in c for c in cells):
+        print(f"\nEPLB: {[(c or {}).get('skipped', 'no result') for c in cells]}" if any(cells) else "")
+        return
+    c0 = cells[0]
+    layer, hot = next(iter(c0["hot"].items()))
+    print(f"\n## EPLB on a skewed router ({args.redundant} redundant slots; +{args.skew_bias} correction bias on "
+          f"{len(hot)} experts per layer, all on rank 0, e.g. layer {layer}: {hot})")
+    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "routed pairs/rank max/mean (measured)",
+         "modelled imbalance", "GPU compute ms/step per rank (profiled)", head=True)
+    for w, name, model in ((0, "initial", c0["imbalance_before"]), (1, "after rebalance", c0["imbalance_window2"])):
+        tot, rows = sum(c["windows"][w]["tok_s"] for c in cells), [c["windows"][w]["rows"] for c in cells]
+        compute = [_profile(c, w) for c in cells]
+        compute = " / ".join(f"{p['compute_s'] / p['steps'] * 1e3:.2f}" if p else "-" for p in compute)
+        _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{c0['windows'][w]['median_step_ms']:.2f}",
+             f"{max(rows) / max(1e-9, statistics.mean(rows)):.2f}", f"{model:.3f}", compute)
+    moved = sum(a != b for ra, rb in zip(c0["placement_before"], c0["placement_after"]) for a, b in zip(ra, rb))
+    print(f"hot experts' share of routed pairs (static window): {c0['hot_share']:.1%}; rebalance: {c0['transfers']} "
+          f"expert copies moved ({moved} slots changed) in {c0['rebalance_s']:.2f} s; modelled imbalance on the "
+          f"static window {c0['imbalance_before']:.3f} -> {c0['imbalance_after']:.3f}")
+    print(f"layer {layer} slots before: {c0['placement_before'][0]}\nlayer {layer} slots after:  {c0['placement_after'][0]}")
+
+
+def _report_ep(args, cells: list, ratio, mode: str) -> None:
+    """One EP mode's tables: decode rate per rank against the peer, then the profiled network wait."""
     if any(_ok(c) for c in cells):
-        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank; decode graphs + overlap)")
+        print(f"\n## Expert parallel over {args.world} ranks ({args.batch} requests per rank; {mode})")
         _row("rank", "decode tok/s", "median step ms", "vs 1 GPU graphs", "vs 1 GPU eager",
              "routed pairs received (eager steps)", "host s in dispatch (eager)", "host s in combine (eager)", head=True)
         for r, c in enumerate(cells):
@@ -419,27 +447,6 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
         print(f"comm: {kind} time (it includes waiting on slower peers and may overlap shared-expert compute).")
     elif any(cells):
         print(f"\nexpert parallel: {[(c or {}).get('skipped', 'no result') for c in cells]}")
-    cells = [r.get("eplb") for r in ranks]
-    if not cells or not all(_ok(c) and "transfers" in c for c in cells):
-        print(f"\nEPLB: {[(c or {}).get('skipped', 'no result') for c in cells]}" if any(cells) else "")
-        return
-    c0 = cells[0]
-    layer, hot = next(iter(c0["hot"].items()))
-    print(f"\n## EPLB on a skewed router ({args.redundant} redundant slots; +{args.skew_bias} correction bias on "
-          f"{len(hot)} experts per layer, all on rank 0, e.g. layer {layer}: {hot})")
-    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "routed pairs/rank max/mean (measured)",
-         "modelled imbalance", "GPU compute ms/step per rank (profiled)", head=True)
-    for w, name, model in ((0, "initial", c0["imbalance_before"]), (1, "after rebalance", c0["imbalance_window2"])):
-        tot, rows = sum(c["windows"][w]["tok_s"] for c in cells), [c["windows"][w]["rows"] for c in cells]
-        compute = [_profile(c, w) for c in cells]
-        compute = " / ".join(f"{p['compute_s'] / p['steps'] * 1e3:.2f}" if p else "-" for p in compute)
-        _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{c0['windows'][w]['median_step_ms']:.2f}",
-             f"{max(rows) / max(1e-9, statistics.mean(rows)):.2f}", f"{model:.3f}", compute)
-    moved = sum(a != b for ra, rb in zip(c0["placement_before"], c0["placement_after"]) for a, b in zip(ra, rb))
-    print(f"hot experts' share of routed pairs (static window): {c0['hot_share']:.1%}; rebalance: {c0['transfers']} "
-          f"expert copies moved ({moved} slots changed) in {c0['rebalance_s']:.2f} s; modelled imbalance on the "
-          f"static window {c0['imbalance_before']:.3f} -> {c0['imbalance_after']:.3f}")
-    print(f"layer {layer} slots before: {c0['placement_before'][0]}\nlayer {layer} slots after:  {c0['placement_after'][0]}")
 
 
 def _profile(cell, window: int) -> dict | None:
@@ -456,6 +463,8 @@ def main() -> int:
     p.add_argument("--gen", type=int, default=64, help="decode steps per timed window")
     p.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--backend", default="cuda_sm100")
+    p.add_argument("--ep-modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
+                   help="EP engine runs: the default (eager, no overlap) and expert_parallel_graphs")
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
     p.add_argument("--phases", nargs="+", default=["peer", "ep", "eplb"], choices=["peer", "ep", "eplb"])
     p.add_argument("--peer-json", default=None, help="the peer's numbers from an earlier run's --json")

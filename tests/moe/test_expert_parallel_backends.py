@@ -33,11 +33,11 @@ def _options(path: str, backend_name: str) -> dict:
                 kv_cache_memory=1 << 22, max_num_batched_tokens=32, max_num_seqs=4)
 
 
-def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assigned: list) -> dict:
+def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assigned: list, graphs: bool) -> dict:
     from deepinfer.config import EngineConfig
     from deepinfer.engine.expert_parallel import build_engine, dist_backend_for, init_distributed, shutdown_distributed
 
-    config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world)
+    config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world, expert_parallel_graphs=graphs)
     ctx = init_distributed(dist_backend_for(config, rank), rank=rank, world_size=world, init_method=store, timeout_s=120)
     ep = build_engine(config, ctx)
     for request_id, prompt, params in assigned[rank]:
@@ -52,7 +52,10 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     return out
 
 
-def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["default", "graphs-and-overlap"])
+def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path, graphs, request):
+    """graphs: EngineConfig.expert_parallel_graphs (experimental): overlapped scheduling everywhere, and decode
+    graphs on a GPU (the ranks agree on each step's graph size; an idle rank replays it on dummy rows)."""
     from deepinfer.registry import load_backend
 
     if backend_name == "reference":
@@ -60,6 +63,13 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path):
     dev = load_backend(backend_name).device
     if dev.type != "cpu" and getattr(torch, dev.type).device_count() < WORLD:
         pytest.skip(f"needs {WORLD} {dev.type} devices")
+    timeout_s = 240
+    if graphs and dev.type != "cpu":
+        # Seen on 2 H200s (7ed1fc3): these ranks did not finish within 240 s. Run, not skipped, so that a fix
+        # shows (as XPASS); a hang prints each rank's stack (spawned_ranks) after a shorter deadline.
+        request.node.add_marker(pytest.mark.xfail(reason="expert_parallel_graphs hung on 2 GPUs when ranks run "
+                                                         "out of work at different steps", strict=False))
+        timeout_s = 90
     requests = []
     for i in range(5):
         prompt = torch.randint(2, VOCAB, (int(torch.randint(4, 30, (), generator=gen)),), generator=gen).tolist()
@@ -69,7 +79,7 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path):
         requests.append((f"r{i}", prompt, params))
     assigned = [requests[:3], requests[3:]]  # rank 1 runs out of work first and joins with idle forwards
     # (rank 1's requests have no prompt log-probs: all its steps overlap)
-    results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned), tmp_path, timeout_s=240)
+    results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned, graphs), tmp_path, timeout_s=timeout_s)
 
     one = LLM(checkpoint, **{k: v for k, v in _options(checkpoint, backend_name).items() if k != "model"})
     for rank, mine in enumerate(assigned):
