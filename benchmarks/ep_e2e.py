@@ -325,6 +325,7 @@ def _rank(rank: int, args, tmp: str) -> None:
         ep = _build_ep(args, ctx, device, dtype, expert_parallel_graphs=mode == "graphs")
         results[f"ep-{mode}"] = run_batch(Lockstep(ep), args, f"ep-{mode}", profile=True)
         _write(out, results)
+        ep.close()  # its graphs hold NCCL work: released before the next engine and the group's teardown
         del ep
         _free(device)
     if "eplb" in args.phases:
@@ -349,6 +350,7 @@ def _rank(rank: int, args, tmp: str) -> None:
         if "windows" in cell:  # the recorder's window is now the second timed window
             cell.update(info, imbalance_window2=imbalance(balancer.placement.phy2log, balancer.global_load(), args.world))
         _write(out, results)
+        ep.close()
     shutdown_distributed(ctx)
 
 

@@ -392,9 +392,9 @@ class EngineConfig(BaseModel):
     num_redundant_experts: int = Field(default=0, ge=0)  # extra physical expert slots for replicas of hot experts
     # Experimental: decode CUDA graphs and overlapped scheduling under expert parallelism (ranks agree per step
     # on a graph size; fixed-size dispatch buffers). On 2 H200s it ran the V2-Lite-shaped model at 0.93x one
-    # GPU's decode rate per GPU (eager: 0.10x), but the 2-GPU engine test, where ranks run out of work at
-    # different steps, hung; off until that is understood. Not with EPLB (its recorder and migration are not
-    # graph-safe).
+    # GPU's decode rate per GPU (eager: 0.10x), but the 2-GPU engine test hung, most likely in tearing the
+    # process group down under live graphs (now released first: ExpertParallelEngine.close); off until that
+    # fix has run on GPUs. Not with EPLB (its recorder and migration are not graph-safe).
     expert_parallel_graphs: bool = False
     # Speculative decoding (deepinfer.spec): the checkpoint's MTP module chained for num_speculative_tokens
     # (default 1), or the DSpark drafter in dspark_model (default <model>/dspark; block of

@@ -136,6 +136,14 @@ class DecodeGraphs:
         return entry.hidden[:n], entry.logits[:n]
 
 
+    def release(self) -> None:
+        """Free every captured graph now. Under expert parallelism this must come before the process group is
+        destroyed: graphs holding captured NCCL kernels make its destruction hang (pytorch/pytorch#115388)."""
+        for entry in self._graphs.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self._graphs.clear()
+
     def run_idle(self, size: int) -> None:
         """Replay one size's graph on dummy rows alone (expert parallelism: a rank with nothing to run still
         enters the step's collectives with the others)."""

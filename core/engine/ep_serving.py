@@ -134,6 +134,7 @@ class ExpertParallelFront:
     def shutdown(self) -> None:
         """Release the followers and leave the process group."""
         _broadcast(_SHUTDOWN, self.ep.ctx)
+        self.ep.close()
         shutdown_distributed(self.ep.ctx)
 
 
@@ -168,6 +169,7 @@ def follow(ep: ExpertParallelEngine) -> None:
                 logger.error("rank %d could not apply %s %s: %s", ctx.rank, command[0], command[2], err)
         outputs = ep.step() or []
         dist.gather_object((outputs, ep.engine.stats()), None, dst=0, group=ctx.cpu_group)
+    ep.close()
     shutdown_distributed(ctx)
 
 

@@ -98,7 +98,7 @@ def init_distributed(dist_backend: str, *, rank: int | None = None, world_size: 
 
 def shutdown_distributed(ctx: ParallelContext) -> None:
     """Leave the process group together: a rank tearing gloo down while a peer still finishes the last
-    collective can abort the process."""
+    collective can abort the process. Close the rank's ExpertParallelEngine first (its graphs)."""
     if dist.is_initialized():
         dist.barrier(group=ctx.cpu_group)
         dist.destroy_process_group()
@@ -145,6 +145,16 @@ class ExpertParallelEngine:
         self.steps = 0
         engine.idle_forward = self.idle_forward
         engine.runner.agree = self.agree
+
+    def close(self) -> None:
+        """Release the decode graphs (captured NCCL kernels on the group's communicator) and wait for the
+        device: call before shutdown_distributed, which would otherwise hang in destroying the group."""
+        runner = self.engine.runner
+        if runner.graphs is not None:
+            runner.graphs.release()
+            runner.graphs = None
+        if self.engine.backend.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.backend.device)
 
     def agree(self, tokens: int, graphed: bool) -> tuple[int, bool]:
         """Collective: (the most tokens any rank runs this step, whether a graph serves every rank's step)."""

@@ -95,6 +95,10 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
     for size in (4, 1):
         graphed.graphs.run_idle(size)
     assert all(torch.equal(cache[:num_blocks], b) for cache, b in zip(graphed.kv_caches, before, strict=True))
+    # Released graphs (before an expert-parallel group is torn down): decode steps run eagerly again.
+    graphed.graphs.release()
+    batch = AttentionBatch((1,), (lens[0] + 1,), tables[:1])
+    assert not graphed.execute(batch, [5], [0]).graphed
 
 
 @pytest.fixture(scope="module")

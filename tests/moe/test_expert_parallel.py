@@ -69,6 +69,7 @@ def _rank(rank: int, world: int, store: str, path: str, assigned: list, nodes: i
     final = ep.run_until_done()
     placements += [ep.balancer.placement.phy2log.clone()]
     held = {i: moe.placement.local_experts for i, moe in _moe_layers(ep)}
+    ep.close()
     shutdown_distributed(ctx)
     return {"outputs": {rid: _summary(o) for rid, o in final.items()}, "events": ep.balancer.events,
             "first": first, "placements": placements, "held": held, "steps": ep.steps}

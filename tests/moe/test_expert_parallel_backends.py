@@ -43,6 +43,7 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     for request_id, prompt, params in assigned[rank]:
         ep.engine.add_request(request_id, prompt, params)
     final = ep.run_until_done()
+    ep.close()
     shutdown_distributed(ctx)
     out = {}
     for rid, o in final.items():
@@ -65,10 +66,12 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path, gr
         pytest.skip(f"needs {WORLD} {dev.type} devices")
     timeout_s = 240
     if graphs and dev.type != "cpu":
-        # Seen on 2 H200s (7ed1fc3): these ranks did not finish within 240 s. Run, not skipped, so that a fix
-        # shows (as XPASS); a hang prints each rank's stack (spawned_ranks) after a shorter deadline.
-        request.node.add_marker(pytest.mark.xfail(reason="expert_parallel_graphs hung on 2 GPUs when ranks run "
-                                                         "out of work at different steps", strict=False))
+        # Seen on 2 H200s (7ed1fc3): these ranks did not finish within 240 s. The likely cause, destroying the
+        # process group while graphs with captured NCCL kernels exist (pytorch/pytorch#115388), is fixed by
+        # ExpertParallelEngine.close(), but not yet run on GPUs: until then an expected failure (XPASS shows
+        # the fix); a hang prints each rank's stack (spawned_ranks) after a shorter deadline.
+        request.node.add_marker(pytest.mark.xfail(reason="expert_parallel_graphs hung on 2 GPUs (7ed1fc3); "
+                                                         "fix not yet run there", strict=False))
         timeout_s = 90
     requests = []
     for i in range(5):
