@@ -14,7 +14,8 @@ Buffer sizes, two ways:
 - fixed (a capacity every rank passes alike, up to FIXED_MAX_PAIRS received pairs): every rank sends
   `capacity` rows to every rank, unused ones marked by ids -1, so nothing is read back and the step can be
   captured in a CUDA graph (DeepEP's low-latency mode makes the same trade). The pairs then include padding
-  past the sum of the group sizes, which the grouped GEMMs skip.
+  past the sum of the group sizes, which the grouped GEMMs skip. Steps 1 and 2 are then one launch
+  (ep_kernels.ep_pack_kernel) instead of ~20 torch ops: their host cost, not the link, bounds an eager dispatch.
 combine
 1. Each received row's expert outputs are weighted and summed here (moe_comm's combine kernel): one partial
    row per (token, rank), rounded to the activation dtype as DeepEP's combine does.
@@ -66,17 +67,51 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     local = num_experts // world
     t, k = topk_ids.shape
     h = x.shape[1]
-    dev = x.device
     fixed = capacity is not None and world * capacity * k <= FIXED_MAX_PAIRS
     if fixed and t > capacity:
         raise InvalidInputError(f"{t} tokens exceed the dispatch capacity {capacity} that every rank agreed on")
+    if fixed and packs_in_one_launch(x):
+        send, send_row, sent = pack_fixed(x, topk_ids, topk_weights, world, local, capacity)
+        send_splits = recv_splits = [capacity] * world
+        recv_pairs = None
+    else:
+        send, send_row, sent, send_splits, recv_splits, recv_pairs = pack(
+            x, topk_ids, topk_weights, world, local, capacity if fixed else None, group)
+    recv = send.new_empty(sum(recv_splits), send.shape[1])
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
 
-    # Step 1: per (token, rank) choice counts and send positions (rows per destination: exchanged or fixed).
+    def finish() -> Dispatched:
+        # Step 3: the received (row, choice) pairs by local expert; other ranks' choices go to group `local`.
+        r = recv.shape[0]
+        routing = recv[:, h:].contiguous().view(torch.float32)  # [R, 2k]
+        lid = routing[:, :k].to(torch.int32)
+        other = lid < 0
+        lid = torch.where(other, local, lid)
+        weights = routing[:, k:].contiguous()
+        grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local + 1, validate=False).wait()
+        row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
+        state = EPState(row_of_pair, weights, send_row, sent, send_splits, recv_splits, x.dtype, group)
+        hidden = grouped.hidden if recv_pairs is None else grouped.hidden[:recv_pairs]
+        return Dispatched(hidden, grouped.group_sizes[:local], rank * local, state)
+
+    # The closure keeps the send buffer alive until the collective finishes.
+    return Pending(finish, (work,))
+
+
+def pack(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, local: int,
+         capacity: int | None, group: Any):
+    """The send side in torch ops: (send buffer, send_row [T, W] int32, sent [T, W] float32, send splits,
+    receive splits, pairs received or None). capacity=None: rows and pairs per destination exchanged first
+    (the host reads them), buffers exactly that large; else `capacity` rows per destination, unused ones with
+    ids -1. pack_fixed does the fixed case in one launch."""
+    t, k = topk_ids.shape
+    h, dev = x.shape[1], x.device
+    # Per (token, rank) choice counts and send positions.
     owner = topk_ids.long() // local  # [T, k]
     pairs = torch.zeros(t, world, dtype=torch.int32, device=dev).scatter_add_(1, owner, torch.ones_like(owner, dtype=torch.int32))
     is_sent = pairs > 0
     running = is_sent.to(torch.int32).cumsum(0, dtype=torch.int32)
-    if fixed:
+    if capacity is not None:
         send_splits = recv_splits = [capacity] * world
         recv_pairs = None
         start = torch.arange(0, world * capacity, capacity, dtype=torch.int32, device=dev)
@@ -91,7 +126,7 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     send_row = torch.where(is_sent, running - 1 + start, -1).to(torch.int32)  # [T, W]
     slots = sum(send_splits)
 
-    # Step 2: the send buffer: hidden row, then the k local ids and k weights as float32, viewed in x's dtype.
+    # The send buffer: hidden row, then the k local ids and k weights as float32, viewed in x's dtype.
     # (token, rank) pairs not sent write a spare last slot; unused fixed slots keep ids -1 (nothing to do).
     slot = torch.where(is_sent, send_row, slots).reshape(-1).long()
     pair_of_slot = torch.full((slots + 1,), t * world, dtype=torch.int64, device=dev)
@@ -106,26 +141,37 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                       torch.where(mine, chosen, 0.0)), 1)
     rows = x.index_select(0, token) if t else x.new_zeros(slots, h)
     send = torch.cat((rows, meta.view(x.dtype)), 1)
-    recv = send.new_empty(sum(recv_splits), send.shape[1])
-    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    return send, send_row, is_sent.to(torch.float32), send_splits, recv_splits, recv_pairs
 
-    def finish() -> Dispatched:
-        # Step 3: the received (row, choice) pairs by local expert; other ranks' choices go to group `local`.
-        r = recv.shape[0]
-        routing = recv[:, h:].contiguous().view(torch.float32)  # [R, 2k]
-        lid = routing[:, :k].to(torch.int32)
-        other = lid < 0
-        lid = torch.where(other, local, lid)
-        weights = routing[:, k:].contiguous()
-        grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local + 1, validate=False).wait()
-        row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
-        state = EPState(row_of_pair, weights, send_row, is_sent.to(torch.float32), send_splits,
-                        recv_splits, x.dtype, group)
-        hidden = grouped.hidden if recv_pairs is None else grouped.hidden[:recv_pairs]
-        return Dispatched(hidden, grouped.group_sizes[:local], rank * local, state)
 
-    # The closure keeps the send buffer alive until the collective finishes.
-    return Pending(finish, (work,))
+def packs_in_one_launch(x: torch.Tensor) -> bool:
+    """pack_fixed's layout needs the routing to start on a 4-byte boundary of each row (bf16: an even hidden)."""
+    return (x.shape[1] * x.element_size()) % 4 == 0 and x.stride(-1) == 1
+
+
+def pack_fixed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, world: int, local: int,
+               capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack() with fixed buffers in one launch (ep_kernels.ep_pack_kernel): (send [W * capacity, H + m],
+    send_row [T, W] int32, sent [T, W] float32), the same values; unused rows' hidden values are left unset."""
+    from deepinfer.backends.cuda_sm100 import ep_kernels as EK
+    from deepinfer.backends.cuda_sm100.gemm import interpreting, next_pow2
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+    from deepinfer.quant import cdiv
+
+    t, k = topk_ids.shape
+    h, dev = x.shape[1], x.device
+    m = 2 * k * 4 // x.element_size()  # routing columns in x's dtype
+    send = torch.empty(world * capacity, h + m, dtype=x.dtype, device=dev)
+    meta = send.view(torch.float32)
+    send_row = torch.empty(t, world, dtype=torch.int32, device=dev)
+    sent = torch.empty(t, world, dtype=torch.float32, device=dev)
+    hb = 512  # hidden columns per program
+    EK.ep_pack_kernel[(max(1, cdiv(t, 16)), cdiv(h, hb))](
+        topk_ids.contiguous(), topk_weights.contiguous(), x, send, meta, send_row, sent, t, capacity,
+        x.stride(0), send.stride(0), meta.stride(0), META_OFF=h * x.element_size() // 4, L=local, W=world,
+        W_P=next_pow2(world), K=k, K_P=next_pow2(k), H=h, BT=16, CT=64, HB=hb, BH=128, CS=64,
+        T_C=t if interpreting() else -1, CAP_C=capacity if interpreting() else -1, num_warps=4, **launch_kwargs())
+    return send, send_row, sent
 
 
 def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
