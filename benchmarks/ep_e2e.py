@@ -19,7 +19,7 @@ same weights everywhere) and DeepInfer loads it from memory, a rank only its exp
 - eplb: the router's e_score_correction_bias of --hot-experts experts per layer (default top_k // 2, all on
   rank 0) raised by --skew-bias (sigmoid scores lie in (0, 1): 1.0 puts them in every top-k, 50% of routed
   pairs); EPLB with --redundant slots (default 2N). --gen steps timed on the initial placement,
-  ep.balancer.rebalance() on every rank, --gen more on the same requests: experts moved, modelled imbalance
+  ep.rebalance() on every rank, --gen more on the same requests: experts moved, modelled imbalance
   (RebalanceEvent), measured rows per rank max/mean, tok/s, before and after.
 Ranks write results to files in a temp folder; this process prints them (--json: everything). Under a 10-minute
 command limit: `--phases peer --json peer.json`, then `--phases ep eplb --peer-json peer.json`.
@@ -331,7 +331,8 @@ def _rank(rank: int, args, tmp: str) -> None:
     if "eplb" in args.phases:
         hot = _hot_experts(args)
         ep = _build_ep(args, ctx, device, dtype, hot, enable_eplb=True, num_redundant_experts=args.redundant,
-                       eplb_window_size=args.gen, eplb_step_interval=10**9)
+                       eplb_window_size=args.gen, eplb_step_interval=10**9,
+                       expert_parallel_graphs="graphs" in args.ep_modes)
         balancer, run = ep.balancer, Lockstep(ep)
         info = {"hot": hot, "placement_before": balancer.placement.phy2log.tolist()}
 
@@ -340,7 +341,7 @@ def _rank(rank: int, args, tmp: str) -> None:
             info["hot_share"] = float(sum(load[r, h].sum() for r, h in enumerate(hot.values())) / load.sum())
             e2e.sync(run.device)
             t = time.perf_counter()
-            event = balancer.rebalance(load)
+            event = ep.rebalance(load)
             e2e.sync(run.device)
             info.update(rebalance_s=time.perf_counter() - t, transfers=event.transfers,
                         imbalance_before=event.imbalance_before, imbalance_after=event.imbalance_after,

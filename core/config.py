@@ -394,7 +394,7 @@ class EngineConfig(BaseModel):
     # on a graph size; fixed-size dispatch buffers). On 2 H200s it ran the V2-Lite-shaped model at 0.93x one
     # GPU's decode rate per GPU (eager: 0.10x), but the 2-GPU engine test hung, most likely in tearing the
     # process group down under live graphs (now released first: ExpertParallelEngine.close); off until that
-    # fix has run on GPUs. Not with EPLB (its recorder and migration are not graph-safe).
+    # fix has run on GPUs. With EPLB the graphs record the load and are captured again after experts move.
     expert_parallel_graphs: bool = False
     # Speculative decoding (deepinfer.spec): the checkpoint's MTP module chained for num_speculative_tokens
     # (default 1), or the DSpark drafter in dspark_model (default <model>/dspark; block of
@@ -431,8 +431,8 @@ class EngineConfig(BaseModel):
     def _eplb_options(self) -> EngineConfig:
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("num_redundant_experts needs enable_eplb (the balancer places the replicas)")
-        if self.expert_parallel_graphs and (self.expert_parallel_size < 2 or self.enable_eplb):
-            raise ValueError("expert_parallel_graphs is for expert_parallel_size >= 2 without EPLB")
+        if self.expert_parallel_graphs and self.expert_parallel_size < 2:
+            raise ValueError("expert_parallel_graphs is for expert_parallel_size >= 2")
         if self.enable_eplb and self.expert_parallel_size < 2:
             raise ValueError("enable_eplb balances experts across ranks: it needs expert_parallel_size >= 2")
         if self.enable_eplb and self.eplb_step_interval == 0 and self.eplb_imbalance_threshold is None:

@@ -39,7 +39,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.checkpoint import Checkpoint
 from deepinfer.model.moe import MoE
-from deepinfer.moe.balancer import ExpertLoadBalancer
+from deepinfer.moe.balancer import ExpertLoadBalancer, RebalanceEvent
 from deepinfer.moe.placement import ModelPlacement
 from deepinfer.moe.policy import EPLBConfig
 
@@ -158,6 +158,8 @@ class ExpertParallelEngine:
 
     def agree(self, tokens: int, graphed: bool) -> tuple[int, bool]:
         """Collective: (the most tokens any rank runs this step, whether a graph serves every rank's step)."""
+        if self.balancer is not None:
+            self.balancer.recorder.set_rows(tokens)  # a padded graph's dummy rows are not load
         flags = torch.tensor([tokens, int(not graphed)], dtype=torch.int64)
         if self.ctx.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
@@ -193,9 +195,26 @@ class ExpertParallelEngine:
             return None
         outputs = self.engine.step()  # a forward of this rank's batch, or the idle forward
         self.steps += 1
-        if self.balancer is not None:
-            self.balancer.after_step()
+        if self.balancer is not None and self.balancer.after_step() is not None:
+            self._recapture()
         return outputs
+
+    def rebalance(self, load: torch.Tensor | None = None) -> RebalanceEvent:
+        """Collective: EPLB's placement for `load` (default: the recorded window) now, on every rank."""
+        event = self.balancer.rebalance(load)
+        self._recapture()
+        return event
+
+    def _recapture(self) -> None:
+        """After experts moved: the decode graphs point at the old weights and placement; capture them again
+        (collective: every rank rebalances at the same step)."""
+        graphs = self.engine.runner.graphs
+        if graphs is None:
+            return
+        torch.cuda.synchronize(self.engine.backend.device)  # an overlapped step may still replay the old graphs
+        graphs.release()
+        graphs.capture()
+        self.balancer.recorder.discard_current()
 
     def run_until_done(self) -> dict[str, RequestOutput]:
         """Step until no rank has work; this rank's finished outputs by request id."""
@@ -266,16 +285,18 @@ def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_chec
         from deepinfer.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_folder(path)
-    engine = LLMEngine(model, backend, engine_config, tokenizer, max_model_len)
     layers = moe_layers(model)
     placement = placement.subset([i for i in layer_ids if i in layers])  # MTP layers only if the checkpoint has them
     balancer = None
-    if engine_config.enable_eplb:
+    if engine_config.enable_eplb:  # before the engine: its decode graphs then capture the load recording
         eplb = EPLBConfig(window_size=engine_config.eplb_window_size, step_interval=engine_config.eplb_step_interval,
                           imbalance_threshold=engine_config.eplb_imbalance_threshold, check_interval=eplb_check_interval,
                           num_redundant_experts=engine_config.num_redundant_experts)
         balancer = ExpertLoadBalancer(backend, layers, placement, eplb, rank=ctx.rank, num_nodes=ctx.num_nodes,
                                       num_groups=config.n_group, group=ctx.group, cpu_group=ctx.cpu_group)
+    engine = LLMEngine(model, backend, engine_config, tokenizer, max_model_len)
+    if balancer is not None:
+        balancer.recorder.discard_current()  # the graph captures' warm-up forwards
     logger.info("rank %d/%d: %d MoE layers, %d expert slots per rank (%d redundant)%s", ctx.rank, ctx.world_size,
                 len(layer_ids), num_physical // ctx.world_size, engine_config.num_redundant_experts,
                 ", EPLB on" if balancer else "")

@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, store: str, path: str, assigned: list, nodes: i
     ep = build_engine(config, ctx)
     placements = [ep.balancer.placement.phy2log.clone()]
     skew = torch.tensor([[1.0, 1, 1, 40, 1, 1, 9, 1], [30.0, 1, 1, 1, 1, 12, 1, 1]])  # hot experts 3, 6 / 0, 5
-    first = ep.balancer.rebalance(skew)  # live: no request yet, but the weights move all the same
+    first = ep.rebalance(skew)  # live: no request yet, but the weights move all the same
     placements.append(ep.balancer.placement.phy2log.clone())
     for request_id, prompt, params in assigned[rank]:
         ep.engine.add_request(request_id, prompt, params)

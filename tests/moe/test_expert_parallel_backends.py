@@ -37,12 +37,17 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     from deepinfer.config import EngineConfig
     from deepinfer.engine.expert_parallel import build_engine, dist_backend_for, init_distributed, shutdown_distributed
 
-    config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world, expert_parallel_graphs=graphs)
+    # The graphs variant also balances experts (replicas, rebalances mid-run: graphs captured again).
+    eplb = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=3) if graphs else {}
+    config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world, expert_parallel_graphs=graphs,
+                          **eplb)
     ctx = init_distributed(dist_backend_for(config, rank), rank=rank, world_size=world, init_method=store, timeout_s=120)
     ep = build_engine(config, ctx)
     for request_id, prompt, params in assigned[rank]:
         ep.engine.add_request(request_id, prompt, params)
     final = ep.run_until_done()
+    if graphs:
+        assert any(e.step > 0 and e.transfers for e in ep.balancer.events), "no live rebalance happened"
     ep.close()
     shutdown_distributed(ctx)
     out = {}
@@ -56,7 +61,8 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
 @pytest.mark.parametrize("graphs", [False, True], ids=["default", "graphs-and-overlap"])
 def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path, graphs, request):
     """graphs: EngineConfig.expert_parallel_graphs (experimental): overlapped scheduling everywhere, and decode
-    graphs on a GPU (the ranks agree on each step's graph size; an idle rank replays it on dummy rows)."""
+    graphs on a GPU (the ranks agree on each step's graph size; an idle rank replays it on dummy rows), with
+    EPLB moving experts mid-run."""
     from deepinfer.registry import load_backend
 
     if backend_name == "reference":

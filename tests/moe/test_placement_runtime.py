@@ -58,6 +58,22 @@ def test_recorder_keeps_a_sliding_window():
     assert rec.window_load()[1].tolist() == [0, 0, 0, 2]
 
 
+def test_recorder_skips_padding_rows_and_dummy_forwards():
+    rec = ExpertLoadRecorder(num_layers=1, num_experts=4, window_size=2)
+    ids = torch.tensor([[1, 2], [3, 0], [3, 3]])
+    rec.set_rows(1)  # a graph padded to 3 rows with 1 real one: only row 0 counts
+    rec.record(0, ids)
+    assert rec.window_load()[0].tolist() == [0, 1, 1, 0]
+    rec.set_rows(3)
+    rec.record(0, ids)
+    assert rec.window_load()[0].tolist() == [1, 2, 2, 3]
+    rec.discard_current()  # e.g. a capture's warm-up forward
+    assert rec.window_load()[0].tolist() == [0, 0, 0, 0]
+    rec.record(0, ids[:1])
+    rec.advance()
+    assert rec.window_load()[0].tolist() == [0, 1, 1, 0] and rec.steps == 1
+
+
 def test_trigger_interval_and_threshold():
     trig = RebalanceTrigger(EPLBConfig(step_interval=4, imbalance_threshold=1.5, check_interval=2))
     assert [trig.tick() for _ in range(4)] == [None, "check", None, "interval"]
