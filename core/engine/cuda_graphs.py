@@ -135,7 +135,6 @@ class DecodeGraphs:
         self._replay(entry, plan)
         return entry.hidden[:n], entry.logits[:n]
 
-
     def release(self) -> None:
         """Free every captured graph now. Under expert parallelism this must come before the process group is
         destroyed: graphs holding captured NCCL kernels make its destruction hang (pytorch/pytorch#115388)."""
