@@ -53,8 +53,9 @@ class EPState:
     group: Any
 
 
-# The fixed-size path up to this many received (row, choice) pairs (world * capacity * top_k): padded buffers
-# cost memory and bandwidth, which prefill-sized capacities would waste (DeepSeek-V3 at EP8, top-8: 256 tokens).
+# The fixed-size path up to this many received (row, choice) pairs (world * capacity * top_k), and always in a
+# graph capture: padded buffers cost memory and bandwidth, which prefill-sized capacities would waste
+# (DeepSeek-V3 at EP8, top-8: 256 tokens).
 FIXED_MAX_PAIRS = 16384
 
 
@@ -67,7 +68,10 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     local = num_experts // world
     t, k = topk_ids.shape
     h = x.shape[1]
-    fixed = capacity is not None and world * capacity * k <= FIXED_MAX_PAIRS
+    # Inside a graph capture nothing may wait for the host: fixed buffers whatever their size (every rank
+    # captures the same graphs together, so they agree).
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    fixed = capacity is not None and (world * capacity * k <= FIXED_MAX_PAIRS or capturing)
     if fixed and t > capacity:
         raise InvalidInputError(f"{t} tokens exceed the dispatch capacity {capacity} that every rank agreed on")
     if fixed and packs_in_one_launch(x):
