@@ -101,6 +101,41 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
     assert not graphed.execute(batch, [5], [0]).graphed
 
 
+def test_runner_follows_the_expert_parallel_agreement(checkpoint, gen):
+    """Under expert parallelism the runner asks `agree` (tokens, graph-served?) once per forward and replays the
+    graph of the agreed capacity's size, padding its own batch up to it, only when every rank is graph-served;
+    else it runs eagerly with that capacity. A fake agreement stands in for the other ranks here."""
+    backend = load_backend("cuda_sm100", batch_invariant=True)
+    config = ModelConfig.from_hf_dir(checkpoint)
+    model = load_model(checkpoint, backend, config=config, dtype=torch.float32)
+    spec = KVCacheSpec(8, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
+    runner = ModelRunner(model, backend, spec, graph_batch_sizes=(1, 4), max_seq_len=64, expert_parallel=True)
+    eager = ModelRunner(model, backend, spec)
+    prompt = torch.randint(2, config.vocab_size, (9,), generator=gen).tolist()
+    prefill = AttentionBatch((9,), (9,), ((2, 5),))
+    asked = []
+    others = {"capacity": 9, "graphed": False}  # another rank's step, as the fake agreement reports it
+
+    def agree(tokens: int, graphed: bool) -> tuple[int, bool]:
+        asked.append((tokens, graphed))
+        return max(tokens, others["capacity"]), graphed and others["graphed"]
+
+    runner.agree = agree
+    for r in (runner, eager):
+        r.execute(prefill, prompt, [8])
+    assert asked == [(9, False)]
+    decode = AttentionBatch((1,), (10,), ((2, 5),))
+    for capacity, graphed, size in ((3, True, 4), (3, False, None), (1, True, 1), (7, True, None)):
+        others.update(capacity=capacity, graphed=graphed)
+        token = int(torch.randint(2, config.vocab_size, (), generator=gen))
+        got = runner.execute(decode, [token], [0])
+        want = eager.execute(decode, [token], [0])
+        assert asked[-1] == (1, True) and got.graphed == (size is not None), (capacity, graphed)
+        if size is not None:  # padded to the agreed size: the token sits in that graph's input buffer
+            assert int(runner.graphs._graphs[size].input_ids[0]) == token
+        assert torch.equal(got.logits, want.logits)
+
+
 @pytest.fixture(scope="module")
 def margin_checkpoint(tmp_path_factory):
     """A random model with spread-out weights (tiny_checkpoints' gain): greedy choices have real margins."""
