@@ -20,6 +20,7 @@ from tiny_checkpoints import build_hf_model, save_checkpoint
 WORLD = 2
 VOCAB = 96
 TOL = 2e-3  # fp32 model and activations; kernels round MMA inputs to bf16 alike on both sides
+SKEW = torch.tensor([[1.0, 1, 1, 40, 1, 1, 9, 1], [30.0, 1, 1, 1, 1, 12, 1, 1]])  # a load EPLB must answer
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +38,21 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     from deepinfer.config import EngineConfig
     from deepinfer.engine.expert_parallel import build_engine, dist_backend_for, init_distributed, shutdown_distributed
 
-    # The graphs variant also balances experts (replicas, rebalances mid-run: graphs captured again).
-    eplb = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=3) if graphs else {}
+    # The graphs variant also balances experts: replicas, and a rebalance mid-run (graphs captured again).
+    eplb = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=10**6) if graphs else {}
     config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world, expert_parallel_graphs=graphs,
                           **eplb)
     ctx = init_distributed(dist_backend_for(config, rank), rank=rank, world_size=world, init_method=store, timeout_s=120)
     ep = build_engine(config, ctx)
     for request_id, prompt, params in assigned[rank]:
         ep.engine.add_request(request_id, prompt, params)
-    final = ep.run_until_done()
-    if graphs:
-        assert any(e.step > 0 and e.transfers for e in ep.balancer.events), "no live rebalance happened"
+    final, moved = {}, 0
+    step = 0
+    while (outputs := ep.step()) is not None:
+        final.update((o.request_id, o) for o in outputs if o.finished)
+        step += 1
+        if graphs and step == 3:  # experts move mid-generation (collective: every rank at its third step)
+            moved = ep.rebalance(SKEW).transfers
     ep.close()
     shutdown_distributed(ctx)
     out = {}
@@ -55,7 +60,7 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
         c = o.outputs[0]
         out[rid] = {"tokens": list(c.token_ids), "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
                     "prompt_logprobs": [next(iter(p.values())).logprob if p else None for p in o.prompt_logprobs or []]}
-    return out
+    return {"outputs": out, "moved": moved}
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["default", "graphs-and-overlap"])
@@ -89,6 +94,9 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path, gr
     assigned = [requests[:3], requests[3:]]  # rank 1 runs out of work first and joins with idle forwards
     # (rank 1's requests have no prompt log-probs: all its steps overlap)
     results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned, graphs), tmp_path, timeout_s=timeout_s)
+    if graphs:
+        assert all(r["moved"] > 0 for r in results), "the mid-run rebalance moved no expert"
+    results = [r["outputs"] for r in results]
 
     one = LLM(checkpoint, **{k: v for k, v in _options(checkpoint, backend_name).items() if k != "model"})
     for rank, mine in enumerate(assigned):
