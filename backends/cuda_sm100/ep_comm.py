@@ -7,7 +7,7 @@ dispatch
 2. Each sent row carries, after its hidden values, its k choices as local expert ids (-1: another rank's)
    and weights (0 there): one all_to_all_single moves rows and routing together.
 3. The receiver lays out its (row, local expert) pairs by expert with the single-process dispatch
-   (moe_comm), the other ranks' choices in an extra last group that is cut off.
+   (moe_comm), leaving the other ranks' choices out.
 Buffer sizes, two ways:
 - exchanged (no capacity): rows and pairs per destination go first through an all_to_all of 2 * world ints
   that the host reads: one synchronisation per dispatch, buffers exactly as large as the traffic;
@@ -57,6 +57,10 @@ class EPState:
 # graph capture: padded buffers cost memory and bandwidth, which prefill-sized capacities would waste
 # (DeepSeek-V3 at EP8, top-8: 256 tokens).
 FIXED_MAX_PAIRS = 16384
+# The receiver groups up to this many (row, choice) pairs in one launch (moe_comm's dispatch_small_kernel, whose
+# programs each re-read every pair's id: 16 KiB from L2 at 4096), else with the three-launch sort and a gather.
+# Past moe_comm's 2048 for the fixed buffers of a decode step (2 ranks x 256 tokens x top-6: 3072); unmeasured.
+EP_SMALL_MAX_PAIRS = 4096
 
 
 def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group: Any,
@@ -85,15 +89,21 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
 
     def finish() -> Dispatched:
-        # Step 3: the received (row, choice) pairs by local expert; other ranks' choices go to group `local`.
+        # Step 3: the received (row, choice) pairs by local expert.
         r = recv.shape[0]
         routing = recv[:, h:].contiguous().view(torch.float32)  # [R, 2k]
-        lid = routing[:, :k].to(torch.int32)
-        other = lid < 0
-        lid = torch.where(other, local, lid)
+        lid = routing[:, :k].to(torch.int32)  # -1: another rank's choice
         weights = routing[:, k:].contiguous()
-        grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local + 1, validate=False).wait()
-        row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
+        if r * k <= EP_SMALL_MAX_PAIRS and local <= moe_comm.SMALL_DISPATCH_MAX_EXPERTS:
+            # One launch (dispatch_small_kernel), which leaves ids -1 out: row -1, not counted, not copied.
+            grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local, validate=False,
+                                        small_max_pairs=EP_SMALL_MAX_PAIRS).wait()
+            row_of_pair = grouped.state.row_of_pair
+        else:  # the three-launch sort wants every id valid: other ranks' choices go to a last group, cut off
+            other = lid < 0
+            grouped = moe_comm.dispatch(ops, recv[:, :h], torch.where(other, local, lid), weights, local + 1,
+                                        validate=False).wait()
+            row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
         state = EPState(row_of_pair, weights, send_row, sent, send_splits, recv_splits, x.dtype, group)
         hidden = grouped.hidden if recv_pairs is None else grouped.hidden[:recv_pairs]
         return Dispatched(hidden, grouped.group_sizes[:local], rank * local, state)

@@ -25,11 +25,8 @@ def _routing(gen: torch.Generator, t: int, k: int, experts: range) -> tuple[torc
 def _expected(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_w: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * (x[t] @ W[ids[t, k]]^T), float64 on the CPU."""
     x, w = x.double().cpu(), expert_w.double().cpu()
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            out[t] += weights[t, j].double() * (w[ids[t, j]] @ x[t])
-    return out
+    per_choice = torch.einsum("tkod,td->tko", w[ids.cpu().long()], x)  # each chosen expert's map of its token
+    return (weights.cpu().double()[..., None] * per_choice).sum(1)
 
 
 def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local, capacity=None):
@@ -121,7 +118,9 @@ E, H, K = 8, 24, 3  # rank r owns experts [4r, 4r + 4)
 # (tokens on rank 0, tokens on rank 1, experts rank 1 routes to, dtype): rank 1's tokens go only to rank 0's
 # experts, then a rank with no tokens at all, then everything routed everywhere (fp32 and bf16).
 CASES = [(5, 3, range(0, 4), torch.float32), (0, 4, range(0, 8), torch.float32), (6, 11, range(0, 8), torch.float32),
-         (9, 2, range(0, 8), torch.bfloat16)]
+         (9, 2, range(0, 8), torch.bfloat16), (800, 800, range(0, 8), torch.float32)]
+# The last case gives a rank more than 4096 received (row, choice) pairs: cuda_sm100 then groups them with the
+# multi-launch sort instead of one launch (ep_comm.EP_SMALL_MAX_PAIRS).
 
 
 def _worker(rank: int, name: str, tmp: str) -> None:
