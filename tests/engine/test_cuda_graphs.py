@@ -12,7 +12,6 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.attention import AttentionBatch, KVCacheSpec
-from deepinfer.config import ModelConfig
 from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.errors import ConfigError
@@ -42,7 +41,7 @@ def checkpoint(tmp_path_factory):
 
 def test_backend_without_graphs_is_refused(checkpoint):
     backend = load_backend("reference")
-    model = load_model(checkpoint, backend, config=ModelConfig.from_hf_dir(checkpoint), dtype=torch.float32)
+    model = load_model(checkpoint, backend, dtype=torch.float32, progress=False)
     spec = KVCacheSpec(8, BLOCK, model.config.kv_lora_rank, model.config.qk_rope_head_dim, "fp32")
     with pytest.raises(ConfigError, match="graph"):
         ModelRunner(model, backend, spec, graph_batch_sizes=(1, 2))
@@ -53,8 +52,8 @@ def test_padded_replay_matches_eager_and_writes_only_the_sink(checkpoint, gen):
     # Batch-invariant kernels: a row's result cannot depend on the padding rows beside it or on the KV split,
     # so replays must equal eager forwards bit for bit (else a near-tied expert of the random router may flip).
     backend = load_backend("cuda_sm100", batch_invariant=True)
-    config = ModelConfig.from_hf_dir(checkpoint)
-    model = load_model(checkpoint, backend, config=config, dtype=torch.float32)
+    model = load_model(checkpoint, backend, dtype=torch.float32, progress=False)
+    config = model.config
     num_blocks, max_len = 12, 64
     spec = KVCacheSpec(num_blocks, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
     graphed = ModelRunner(model, backend, spec, graph_batch_sizes=(1, 4), max_seq_len=max_len)
@@ -106,8 +105,8 @@ def test_runner_follows_the_expert_parallel_agreement(checkpoint, gen):
     graph of the agreed capacity's size, padding its own batch up to it, only when every rank is graph-served;
     else it runs eagerly with that capacity. A fake agreement stands in for the other ranks here."""
     backend = load_backend("cuda_sm100", batch_invariant=True)
-    config = ModelConfig.from_hf_dir(checkpoint)
-    model = load_model(checkpoint, backend, config=config, dtype=torch.float32)
+    model = load_model(checkpoint, backend, dtype=torch.float32, progress=False)
+    config = model.config
     spec = KVCacheSpec(8, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
     runner = ModelRunner(model, backend, spec, graph_batch_sizes=(1, 4), max_seq_len=64, expert_parallel=True)
     eager = ModelRunner(model, backend, spec)
@@ -218,8 +217,8 @@ def test_graphed_moe_engine_follows_the_reference(margin_checkpoint, gen):
 def test_an_eager_step_never_waits_for_the_device(checkpoint, gen, precision):
     """Planning and a whole eager forward (prefill and decode) queue work without reading anything back."""
     backend = load_backend("cuda_sm100")
-    config = ModelConfig.from_hf_dir(checkpoint)
-    model = load_model(checkpoint, backend, config=config, dtype=torch.bfloat16, precision=precision)
+    model = load_model(checkpoint, backend, dtype=torch.bfloat16, precision=precision, progress=False)
+    config = model.config
     spec = KVCacheSpec(12, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "bf16")
     runner = ModelRunner(model, backend, spec)
     batches = [AttentionBatch((20, 9), (20, 9), ((3, 0), (5,))), AttentionBatch((1, 1), (21, 10), ((3, 0), (5,)))]

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config import ModelConfig
 from deepinfer.engine.memory_profile import peak_step_bytes
 from deepinfer.model.loader import load_model
 from deepinfer.registry import list_backends, load_backend
@@ -25,7 +24,7 @@ def checkpoint(tmp_path_factory):
 
 def test_nothing_to_measure_off_the_gpu(checkpoint):
     backend = load_backend("reference")
-    model = load_model(checkpoint, backend, config=ModelConfig.from_hf_dir(checkpoint), dtype=torch.float32)
+    model = load_model(checkpoint, backend, dtype=torch.float32, progress=False)
     assert peak_step_bytes(model, backend, tokens=64, context=256, logit_rows=4, block_size=16, kv_dtype="fp32",
                            free_bytes=1 << 30) == 0
 
@@ -33,7 +32,7 @@ def test_nothing_to_measure_off_the_gpu(checkpoint):
 @pytest.mark.skipif(not CUDA_USABLE, reason="needs a GPU with cuda_sm100")
 def test_peak_grows_with_the_chunk_and_the_engine_leaves_it_free(checkpoint, gen):
     backend = load_backend("cuda_sm100")
-    model = load_model(checkpoint, backend, config=ModelConfig.from_hf_dir(checkpoint), dtype=torch.bfloat16)
+    model = load_model(checkpoint, backend, dtype=torch.bfloat16, progress=False)
     free = torch.cuda.mem_get_info()[0]
     kw = dict(context=512, logit_rows=4, block_size=16, kv_dtype="bf16", free_bytes=free)
     # The first forward also allocates what stays (cuBLAS's 32 MiB workspace, kernel scratch): part of the
