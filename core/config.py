@@ -427,6 +427,11 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_engine='mtp' drafts with the checkpoint's MTP layer: load_mtp must be True")
         return self
 
+    @property
+    def expert_parallel_eager(self) -> bool:
+        """Expert parallelism without expert_parallel_graphs: no decode graphs and no overlapped scheduling."""
+        return self.expert_parallel_size > 1 and not self.expert_parallel_graphs
+
     @model_validator(mode="after")
     def _eplb_options(self) -> EngineConfig:
         if self.num_redundant_experts and not self.enable_eplb:
