@@ -136,8 +136,11 @@ class DecodeGraphs:
         return entry.hidden[:n], entry.logits[:n]
 
     def release(self) -> None:
-        """Free every captured graph now. Under expert parallelism this must come before the process group is
-        destroyed: graphs holding captured NCCL kernels make its destruction hang (pytorch/pytorch#115388)."""
+        """Free every captured graph now, once the device is done with them (an overlapped step may still be
+        replaying one). Under expert parallelism this must come before the process group is destroyed: graphs
+        holding captured NCCL kernels make its destruction hang (pytorch/pytorch#115388)."""
+        if self._on_gpu:
+            torch.cuda.synchronize(self.backend.device)
         for entry in self._graphs.values():
             if entry.graph is not None:
                 entry.graph.reset()

@@ -147,14 +147,12 @@ class ExpertParallelEngine:
         engine.runner.agree = self.agree
 
     def close(self) -> None:
-        """Release the decode graphs (captured NCCL kernels on the group's communicator) and wait for the
-        device: call before shutdown_distributed, which would otherwise hang in destroying the group."""
+        """Release the decode graphs (captured NCCL kernels on the group's communicator): call before
+        shutdown_distributed, which would otherwise hang in destroying the group."""
         runner = self.engine.runner
         if runner.graphs is not None:
             runner.graphs.release()
             runner.graphs = None
-        if self.engine.backend.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.backend.device)
 
     def agree(self, tokens: int, graphed: bool) -> tuple[int, bool]:
         """Collective: (the most tokens any rank runs this step, whether a graph serves every rank's step)."""
@@ -211,7 +209,6 @@ class ExpertParallelEngine:
         graphs = self.engine.runner.graphs
         if graphs is None:
             return
-        torch.cuda.synchronize(self.engine.backend.device)  # an overlapped step may still replay the old graphs
         graphs.release()
         graphs.capture()
         self.balancer.recorder.discard_current()
