@@ -58,7 +58,8 @@ class EPState:
 # (DeepSeek-V3 at EP8, top-8: 256 tokens).
 FIXED_MAX_PAIRS = 16384
 # The receiver groups up to this many (row, choice) pairs in one launch (moe_comm's dispatch_small_kernel, whose
-# programs each re-read every pair's id: 16 KiB from L2 at 4096), else with the three-launch sort and a gather.
+# programs each re-read every pair's id: 16 KiB from L2 at 4096), else with the three-launch sort and a gather
+# (moe_comm.dispatch either way).
 # Past moe_comm's 2048 for the fixed buffers of a decode step (2 ranks x 256 tokens x top-6: 3072); unmeasured.
 EP_SMALL_MAX_PAIRS = 4096
 
@@ -90,23 +91,14 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
     def finish() -> Dispatched:
         # Step 3: the received (row, choice) pairs by local expert.
-        r = recv.shape[0]
         routing = recv[:, h:].contiguous().view(torch.float32)  # [R, 2k]
-        lid = routing[:, :k].to(torch.int32)  # -1: another rank's choice
+        lid = routing[:, :k].to(torch.int32)  # -1: another rank's choice, which the grouping leaves out
         weights = routing[:, k:].contiguous()
-        if r * k <= EP_SMALL_MAX_PAIRS and local <= moe_comm.SMALL_DISPATCH_MAX_EXPERTS:
-            # One launch (dispatch_small_kernel), which leaves ids -1 out: row -1, not counted, not copied.
-            grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local, validate=False,
-                                        small_max_pairs=EP_SMALL_MAX_PAIRS).wait()
-            row_of_pair = grouped.state.row_of_pair
-        else:  # the three-launch sort wants every id valid: other ranks' choices go to a last group, cut off
-            other = lid < 0
-            grouped = moe_comm.dispatch(ops, recv[:, :h], torch.where(other, local, lid), weights, local + 1,
-                                        validate=False).wait()
-            row_of_pair = torch.where(other, -1, grouped.state.row_of_pair.reshape(r, k))
-        state = EPState(row_of_pair, weights, send_row, sent, send_splits, recv_splits, x.dtype, group)
+        grouped = moe_comm.dispatch(ops, recv[:, :h], lid, weights, local, validate=False,
+                                    small_max_pairs=EP_SMALL_MAX_PAIRS).wait()
+        state = EPState(grouped.state.row_of_pair, weights, send_row, sent, send_splits, recv_splits, x.dtype, group)
         hidden = grouped.hidden if recv_pairs is None else grouped.hidden[:recv_pairs]
-        return Dispatched(hidden, grouped.group_sizes[:local], rank * local, state)
+        return Dispatched(hidden, grouped.group_sizes, rank * local, state)
 
     # The closure keeps the send buffer alive until the collective finishes.
     return Pending(finish, (work,))

@@ -32,7 +32,8 @@ class SortedTokens:
 
     group_sizes [E] int64: pairs per expert (uncapped counts in the masked layout).
     pair_of_row [rows] int32: pair index p (token p // top_k, choice p % top_k) of each row; -1 for padding
-      rows of the masked layout. Contiguous: rows = T * top_k; masked: rows = E * capacity.
+      rows: the masked layout's, and the contiguous layout's last rows when some ids lie outside [0, E) (those
+      pairs are left out). Contiguous: rows = T * top_k; masked: rows = E * capacity.
     row_of_pair [T, top_k] int32: the row each pair went to (-1 if it overflowed its expert's capacity).
     """
 
@@ -214,8 +215,7 @@ class CudaFusedOps(FusedOps):
         base = torch.empty(nb, e_p, dtype=torch.int32, device=dev)
         sizes = torch.empty(num_experts, dtype=torch.int64, device=dev)
         row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
-        pair_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev) if masked else \
-            torch.empty(rows, dtype=torch.int32, device=dev)
+        pair_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev)  # rows no pair takes: padding
         cap = capacity or 0
         RK.sort_hist_kernel[(nb,)](ids, hist, p, num_experts, E_P=e_p, BP=bp, num_warps=4)
         RK.sort_scan_kernel[(1,)](hist, base, sizes, nb, num_experts, cap, E_P=e_p, RB=16, MASKED=masked,

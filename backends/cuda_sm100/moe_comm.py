@@ -35,14 +35,17 @@ _HB = 512  # hidden columns per program of the small dispatch
 
 def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              validate: bool = True, small_max_pairs: int = SMALL_DISPATCH_MAX_PAIRS) -> Pending[Dispatched]:
-    """small_max_pairs: the largest T * k taking the one-launch path (tests pin either path)."""
+    """small_max_pairs: the largest T * k taking the one-launch path (tests pin either path). With
+    validate=False, ids outside [0, num_experts) are left out on either path: row -1 in row_of_pair, not
+    counted, and the hidden rows end in padding past the sum of the group sizes (expert parallelism's
+    receiver marks other ranks' choices so)."""
     check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     t, top_k = topk_ids.shape
     if t * top_k <= small_max_pairs and num_experts <= SMALL_DISPATCH_MAX_EXPERTS:
         rows, sizes, row_of_pair = _dispatch_small(x, topk_ids, num_experts)
     else:
         order = ops.sort_tokens(topk_ids, num_experts)
-        rows, sizes, row_of_pair = x.index_select(0, order.pair_of_row // top_k), order.group_sizes, order.row_of_pair
+        rows, sizes, row_of_pair = x.index_select(0, order.token_of_row()), order.group_sizes, order.row_of_pair
     state = LocalState(row_of_pair, topk_weights.contiguous(), x.dtype)
     return Pending.ready(Dispatched(rows, sizes, 0, state))
 
