@@ -29,7 +29,7 @@ class LocalState:
 # Each program of dispatch_small_kernel re-counts every pair (ids read from L2): cheap for a few thousand,
 # and the one launch saves four (hist, scan, scatter, index_select: ~9 us per layer at one token on the H200).
 SMALL_DISPATCH_MAX_PAIRS = 2048
-SMALL_DISPATCH_MAX_EXPERTS = 1024  # one histogram bin per expert in registers
+_SMALL_MAX_EXPERTS = 1024  # one histogram bin per expert in registers
 _HB = 512  # hidden columns per program of the small dispatch
 
 
@@ -41,7 +41,7 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     receiver marks other ranks' choices so)."""
     check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     t, top_k = topk_ids.shape
-    if t * top_k <= small_max_pairs and num_experts <= SMALL_DISPATCH_MAX_EXPERTS:
+    if t * top_k <= small_max_pairs and num_experts <= _SMALL_MAX_EXPERTS:
         rows, sizes, row_of_pair = _dispatch_small(x, topk_ids, num_experts)
     else:
         order = ops.sort_tokens(topk_ids, num_experts)
