@@ -61,7 +61,10 @@ def ep_pack_kernel(ids_ptr, w_ptr, x_ptr, buf_ptr, meta_ptr, send_row_ptr, sent_
     toks = first + tl.arange(0, BT)
     ids, sent = _owners_sent(ids_ptr, toks, T, L, W, W_P, K, K_P)
     s = sent.to(tl.int32)
-    slot = ranks[None, :] * cap + before[None, :] + tl.cumsum(s, axis=0) - s  # [BT, W_P]
+    # tokens of this block before each token, per rank: a triangular sum (tl.cumsum over [BT, W_P] trips an
+    # assertion in Triton 3.6's scan lowering at some widths, e.g. W_P 2 with K 8)
+    earlier = (tl.arange(0, BT)[None, :] < tl.arange(0, BT)[:, None]).to(tl.int32)  # [BT, BT]: u < t
+    slot = ranks[None, :] * cap + before[None, :] + tl.sum(earlier[:, :, None] * s[None, :, :], axis=1)  # [BT, W_P]
     live = sent & (ranks[None, :] < W)
     if c == 0:
         tw = toks[:, None] * W + ranks[None, :]
