@@ -9,8 +9,8 @@ NVLink multicast is off (NCCL_NVLS_ENABLE=0 and the others, set at import, inher
 Phases run in spawned processes, killed past --timeout s; each builds the model with transformers (same --seed:
 same weights everywhere) and DeepInfer loads it from memory, a rank only its experts. Printed (markdown):
 - peer (GPU 0, no EP, exits before the ranks start): decode tok/s of --batch requests of --context random
-  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap (as the EP engine
-  runs by default: EngineConfig.expert_parallel_graphs, experimental, turns graphs and overlap on under EP).
+  tokens, with CUDA graphs + overlapped scheduling (the defaults) and eager without overlap (enforce_eager and
+  overlap_scheduling=False: the EP engine's eager mode, --ep-modes eager).
 - ep (N ranks, --batch requests each): lockstep ExpertParallelEngine.step() until every request has its first
   token, then --gen decode steps timed at full batch. Per rank and overall: decode tok/s per GPU, total, median
   step ms, ratio to the peer, rows its experts received, host s in dispatch/combine (their size exchange syncs
@@ -46,6 +46,7 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
 
+EAGER_FIELDS = dict(enforce_eager=True, overlap_scheduling=False)  # --ep-modes eager
 SMOKE = dict(world=2, backend="reference", batch=6, context=24, gen=6, chunk=64, profile_steps=3)
 
 
@@ -274,9 +275,9 @@ def _peer(_, args, out: str) -> None:
     _write(out, results)
 
 
-def _build_ep(args, ctx, device, dtype, hot: dict | None = None, **eplb):
+def _build_ep(args, ctx, device, dtype, hot: dict | None = None, **fields):
     """This rank's ExpertParallelEngine over the transformers model, whose router's correction bias is first
-    raised by --skew-bias for hot[layer] experts; `eplb`: EngineConfig fields. The transformers model is freed."""
+    raised by --skew-bias for hot[layer] experts; `fields`: EngineConfig fields. The transformers model is freed."""
     from deepinfer.config import EngineConfig, ModelConfig
     from deepinfer.engine.expert_parallel import build_engine
     from deepinfer.model.checkpoint import TensorDictCheckpoint
@@ -288,7 +289,7 @@ def _build_ep(args, ctx, device, dtype, hot: dict | None = None, **eplb):
     ec = EngineConfig(model="v2-lite-random", backend=args.backend, expert_parallel_size=args.world,
                       max_model_len=args.max_model_len, max_num_seqs=args.batch, max_num_batched_tokens=args.chunk,
                       kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=False, progress=False,
-                      dtype="float32" if dtype == torch.float32 else "bfloat16", **eplb)
+                      dtype="float32" if dtype == torch.float32 else "bfloat16", **fields)
     ckpt = TensorDictCheckpoint.from_transformers(hf)
     ep = build_engine(ec, ctx, checkpoint=ckpt, config=ModelConfig.from_hf_dict(cfg.to_dict()))
     del ckpt, hf
@@ -322,7 +323,7 @@ def _rank(rank: int, args, tmp: str) -> None:
                            init_method=f"file://{tmp}/store", local_world_size=args.world, timeout_s=args.timeout)
     out, results = f"{tmp}/rank{rank}.json", {"device": args.device_name}
     for mode in args.ep_modes if "ep" in args.phases else ():
-        ep = _build_ep(args, ctx, device, dtype, expert_parallel_graphs=mode == "graphs")
+        ep = _build_ep(args, ctx, device, dtype, **EAGER_FIELDS if mode == "eager" else {})
         results[f"ep-{mode}"] = run_batch(Lockstep(ep), args, f"ep-{mode}", profile=True)
         _write(out, results)
         ep.close()  # its graphs hold NCCL work: released before the next engine and the group's teardown
@@ -332,7 +333,7 @@ def _rank(rank: int, args, tmp: str) -> None:
         hot = _hot_experts(args)
         ep = _build_ep(args, ctx, device, dtype, hot, enable_eplb=True, num_redundant_experts=args.redundant,
                        eplb_window_size=args.gen, eplb_step_interval=10**9,
-                       expert_parallel_graphs="graphs" in args.ep_modes)
+                       **({} if "graphs" in args.ep_modes else EAGER_FIELDS))
         balancer, run = ep.balancer, Lockstep(ep)
         info = {"hot": hot, "placement_before": balancer.placement.phy2log.tolist()}
 
@@ -397,7 +398,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     ratio = lambda x, k: f"{x / ref[k]:.2f}x" if ref.get(k) else "-"  # noqa: E731
     for mode in args.ep_modes:
         _report_ep(args, [r.get(f"ep-{mode}") for r in ranks], ratio,
-                   "decode graphs + overlap: expert_parallel_graphs" if mode == "graphs" else "eager, no overlap: the default")
+                   "decode graphs + overlap: the default" if mode == "graphs" else "eager, no overlap: --enforce-eager")
     cells = [r.get("eplb") for r in ranks]
     if not cells or not all(_ok(c) and "transfers" in c for c in cells):
         print(f"\nEPLB: {[(c or {}).get('skipped', 'no result') for c in cells]}" if any(cells) else "")
@@ -467,7 +468,7 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--backend", default="cuda_sm100")
     p.add_argument("--ep-modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
-                   help="EP engine runs: the default (eager, no overlap) and expert_parallel_graphs")
+                   help="EP engine runs: eager without overlap (enforce_eager), and the default (graphs + overlap)")
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
     p.add_argument("--phases", nargs="+", default=["peer", "ep", "eplb"], choices=["peer", "ep", "eplb"])
     p.add_argument("--peer-json", default=None, help="the peer's numbers from an earlier run's --json")

@@ -390,12 +390,6 @@ class EngineConfig(BaseModel):
     eplb_step_interval: int = Field(default=3000, ge=0)  # rebalance every this many steps (0: only on imbalance)
     eplb_imbalance_threshold: float | None = Field(default=None, ge=1.0)  # and when busiest/mean GPU load exceeds it
     num_redundant_experts: int = Field(default=0, ge=0)  # extra physical expert slots for replicas of hot experts
-    # Experimental: decode CUDA graphs and overlapped scheduling under expert parallelism (ranks agree per step
-    # on a graph size; fixed-size dispatch buffers). On 2 H200s it ran the V2-Lite-shaped model at 0.93x one
-    # GPU's decode rate per GPU (eager: 0.10x), but the 2-GPU engine test hung, most likely in tearing the
-    # process group down under live graphs (now released first: ExpertParallelEngine.close); off until that
-    # fix has run on GPUs. With EPLB the graphs record the load and are captured again after experts move.
-    expert_parallel_graphs: bool = False
     # Speculative decoding (deepinfer.spec): the checkpoint's MTP module chained for num_speculative_tokens
     # (default 1), or the DSpark drafter in dspark_model (default <model>/dspark; block of
     # num_speculative_tokens, default its own). DSpark verifies while the calibrated survival stays above
@@ -427,17 +421,10 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_engine='mtp' drafts with the checkpoint's MTP layer: load_mtp must be True")
         return self
 
-    @property
-    def expert_parallel_eager(self) -> bool:
-        """Expert parallelism without expert_parallel_graphs: no decode graphs and no overlapped scheduling."""
-        return self.expert_parallel_size > 1 and not self.expert_parallel_graphs
-
     @model_validator(mode="after")
     def _eplb_options(self) -> EngineConfig:
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("num_redundant_experts needs enable_eplb (the balancer places the replicas)")
-        if self.expert_parallel_graphs and self.expert_parallel_size < 2:
-            raise ValueError("expert_parallel_graphs is for expert_parallel_size >= 2")
         if self.enable_eplb and self.expert_parallel_size < 2:
             raise ValueError("enable_eplb balances experts across ranks: it needs expert_parallel_size >= 2")
         if self.enable_eplb and self.eplb_step_interval == 0 and self.eplb_imbalance_threshold is None:

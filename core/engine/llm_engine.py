@@ -156,11 +156,10 @@ class LLMEngine:
         return cls(model, backend, engine_config, tokenizer, max_model_len, speculator)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
-        """Decode batch sizes to capture: none when eager is forced, the backend cannot capture on a GPU, or
-        under expert parallelism unless expert_parallel_graphs (experimental; see EngineConfig)."""
+        """Decode batch sizes to capture: none when eager is forced or the backend cannot capture on a GPU
+        (under expert parallelism the ranks agree on each step's size: ExpertParallelEngine.agree)."""
         ec = self.engine_config
-        if (ec.enforce_eager or ec.expert_parallel_eager or not self.backend.capabilities.graph_capture
-                or self.backend.device.type != "cuda"):
+        if ec.enforce_eager or not self.backend.capabilities.graph_capture or self.backend.device.type != "cuda":
             return ()
         return default_batch_sizes(min(ec.cuda_graph_max_batch_size, ec.max_num_seqs))
 
@@ -352,7 +351,7 @@ class LLMEngine:
     def _can_defer(self, plan: SchedulerOutput) -> bool:
         """Whether this step's sampled tokens may stay on the device while the next step is scheduled."""
         ec = self.engine_config
-        if not ec.overlap_scheduling or self.speculator is not None or ec.expert_parallel_eager:
+        if not ec.overlap_scheduling or self.speculator is not None:
             return False
         for item in plan.scheduled:
             req, index = self._seq_owner[item.seq.seq_id]
