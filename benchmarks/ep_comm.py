@@ -60,7 +60,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                             world_size=args.world, timeout=timedelta(seconds=120))
     # A gloo group for the host-side timing reduction (NCCL would need a device tensor and a sync).
     host = dist.new_group(backend="gloo") if nccl else None
-    results = []
+    results, graphs = [], []  # graphs hold captured NCCL kernels: reset before the group goes (pytorch#115388)
     try:
         for tokens in args.tokens:
             gen = torch.Generator().manual_seed(1000 * rank + tokens)
@@ -81,6 +81,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                    "all_to_all": _timed(lambda: dist.all_to_all_single(recv, send), dev, args.iters, host)}
             if nccl:  # the transport alone inside a CUDA graph: the peer of the graphed rows below
                 graph = torch.cuda.CUDAGraph()
+                graphs.append(graph)
                 with torch.cuda.graph(graph):
                     dist.all_to_all_single(recv, send)
                 row["all_to_all graphed"] = _timed(graph.replay, dev, args.iters, host)
@@ -102,7 +103,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                         dispatch()
                     row[f"{name} {step}"] = _timed(fn, dev, args.iters, host)
                 if name == "cuda_sm100 fixed" and dev.type == "cuda":
-                    row.update(_graphed(backend, x, ids, weights, args, tokens, dev, host))
+                    row.update(_graphed(backend, x, ids, weights, args, tokens, dev, host, graphs))
                 if args.profile and rank == 0:
                     _profile(both, dev, f"{name}, {tokens} tokens/rank: dispatch + combine x 5")
                 elif args.profile:
@@ -114,6 +115,10 @@ def _rank(rank: int, args: argparse.Namespace, store: str) -> None:
                 json.dump(results, fh)
         dist.barrier()
     finally:
+        if nccl:
+            torch.cuda.synchronize(dev)
+        for graph in graphs:
+            graph.reset()
         dist.destroy_process_group()
 
 
@@ -126,13 +131,14 @@ def _variants(backends: dict, tokens: int) -> dict:
     return out
 
 
-def _graphed(backend, x, ids, weights, args, capacity: int, dev, host) -> dict:
+def _graphed(backend, x, ids, weights, args, capacity: int, dev, host, graphs: list) -> dict:
     """The fixed-capacity dispatch and combine captured in CUDA graphs (as the engine's decode graphs hold
-    them): device time with no host work. Every rank captures the same calls together."""
+    them): device time with no host work. Every rank captures the same calls together; `graphs` keeps them."""
     d = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
     backend.combine(d, d.hidden).wait()  # compiled and warm outside the capture
     torch.cuda.synchronize(dev)
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    graphs += [gd, gc]
     with torch.cuda.graph(gd):
         d = backend.dispatch(x, ids, weights, args.experts, validate=False, capacity=capacity).wait()
     with torch.cuda.graph(gc):

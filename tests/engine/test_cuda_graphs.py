@@ -132,7 +132,10 @@ def test_runner_follows_the_expert_parallel_agreement(checkpoint, gen):
         assert asked[-1] == (1, True) and got.graphed == (size is not None), (capacity, graphed)
         if size is not None:  # padded to the agreed size: the token sits in that graph's input buffer
             assert int(runner.graphs._graphs[size].input_ids[0]) == token
-        assert torch.equal(got.logits, want.logits)
+        if backend.device.type == "cpu":
+            assert torch.equal(got.logits, want.logits)
+        else:  # the agreed capacity gives the MoE a fixed-capacity layout: other grouped-GEMM tiles than eager's
+            torch.testing.assert_close(got.logits, want.logits, rtol=2e-3, atol=2e-3)
 
 
 @pytest.fixture(scope="module")
