@@ -135,7 +135,7 @@ def _max_tokens(args, windows: int) -> int:
 def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile: bool = False) -> dict:
     """Add --batch requests of --context random tokens; step until every one (on every rank) has its first
     token; time `windows` windows of --gen decode steps at full batch (between() runs before each later window);
-    optionally profile --profile-steps more; abort and drain."""
+    optionally profile --profile-steps more; abort and drain. between(w) runs before window w > 0."""
     from deepinfer.engine.sampling_params import SamplingParams
 
     engine, gen = run.engine, torch.Generator().manual_seed(args.seed + 7919 * args.rank_seed)
@@ -154,7 +154,7 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
     out: dict = {"prefill_s": time.perf_counter() - started, "windows": []}
     for w in range(windows):
         if w and between is not None:
-            between()
+            between(w)
         e2e.sync(run.device)
         run.agree(True)  # the ranks start the window together
         before, steps = engine.stats().generated_tokens, []
@@ -168,8 +168,10 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
         e2e.sync(run.device)
         seconds = time.perf_counter() - t0
         tokens = engine.stats().generated_tokens - before
+        slowest = sorted(range(len(steps)), key=steps.__getitem__)[-3:][::-1]  # where a window's time went
         out["windows"].append(dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds, running=engine.stats().running,
-                                   median_step_ms=statistics.median(steps) * 1e3, **run.snapshot()))
+                                   median_step_ms=statistics.median(steps) * 1e3,
+                                   slowest_steps_ms=[(i, round(steps[i] * 1e3, 1)) for i in slowest], **run.snapshot()))
         if profile and args.profile_steps:
             for _ in range(2):  # warm again after the window, outside the profile
                 run.step()
@@ -337,7 +339,9 @@ def _rank(rank: int, args, tmp: str) -> None:
         balancer, run = ep.balancer, Lockstep(ep)
         info = {"hot": hot, "placement_before": balancer.placement.phy2log.tolist()}
 
-        def rebalance() -> None:  # collective: every rank, between the two windows
+        def rebalance(window: int) -> None:  # collective: every rank, before the second window (a third: steady)
+            if window != 1:
+                return
             load = balancer.global_load()  # the static window's routed pairs [layers, E], summed over ranks
             info["hot_share"] = float(sum(load[r, h].sum() for r, h in enumerate(hot.values())) / load.sum())
             e2e.sync(run.device)
@@ -348,8 +352,8 @@ def _rank(rank: int, args, tmp: str) -> None:
                         imbalance_before=event.imbalance_before, imbalance_after=event.imbalance_after,
                         placement_after=balancer.placement.phy2log.tolist())
 
-        results["eplb"] = cell = run_batch(run, args, "eplb", windows=2, between=rebalance, profile=True)
-        if "windows" in cell:  # the recorder's window is now the second timed window
+        results["eplb"] = cell = run_batch(run, args, "eplb", windows=3, between=rebalance, profile=True)
+        if "windows" in cell:  # the recorder's window is now the last timed window
             cell.update(info, imbalance_window2=imbalance(balancer.placement.phy2log, balancer.global_load(), args.world))
         _write(out, results)
         ep.close()
@@ -407,14 +411,18 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     layer, hot = next(iter(c0["hot"].items()))
     print(f"\n## EPLB on a skewed router ({args.redundant} redundant slots; +{args.skew_bias} correction bias on "
           f"{len(hot)} experts per layer, all on rank 0, e.g. layer {layer}: {hot})")
-    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "routed pairs/rank max/mean (measured)",
-         "modelled imbalance", "GPU compute ms/step per rank (profiled)", head=True)
-    for w, name, model in ((0, "initial", c0["imbalance_before"]), (1, "after rebalance", c0["imbalance_window2"])):
+    _row("placement", "total tok/s", "per GPU", "median step ms (rank 0)", "slowest steps (rank 0: step, ms)",
+         "routed pairs/rank max/mean (measured, eager)", "modelled imbalance", "GPU compute ms/step per rank (profiled)",
+         head=True)
+    for w, name, model in ((0, "initial", c0["imbalance_before"]), (1, "after rebalance", None),
+                           (2, "after rebalance, next window", c0["imbalance_window2"])):
         tot, rows = sum(c["windows"][w]["tok_s"] for c in cells), [c["windows"][w]["rows"] for c in cells]
         compute = [_profile(c, w) for c in cells]
         compute = " / ".join(f"{p['compute_s'] / p['steps'] * 1e3:.2f}" if p else "-" for p in compute)
         _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{c0['windows'][w]['median_step_ms']:.2f}",
-             f"{max(rows) / max(1e-9, statistics.mean(rows)):.2f}", f"{model:.3f}", compute)
+             c0["windows"][w].get("slowest_steps_ms", "-"),
+             f"{max(rows) / statistics.mean(rows):.2f}" if min(rows) > 0 else "- (graphed steps)",
+             "-" if model is None else f"{model:.3f}", compute)
     moved = sum(a != b for ra, rb in zip(c0["placement_before"], c0["placement_after"]) for a, b in zip(ra, rb))
     print(f"hot experts' share of routed pairs (static window): {c0['hot_share']:.1%}; rebalance: {c0['transfers']} "
           f"expert copies moved ({moved} slots changed) in {c0['rebalance_s']:.2f} s; modelled imbalance on the "
@@ -491,7 +499,7 @@ def main() -> int:
         print(f"ep_e2e: needs >= 2 ranks and (experts + --redundant) % world == 0; world {args.world}, "
               f"{shape['n_routed_experts']} + {args.redundant} (--smoke runs 2 CPU ranks)")
         return 1
-    args.max_model_len = args.context + _max_tokens(args, 2) + 8
+    args.max_model_len = args.context + _max_tokens(args, 3) + 8
     print(f"# ep_e2e: {args.world} ranks, backend {args.backend}, {'TINY' if args.smoke else 'V2-Lite'} shape, "
           f"batch {args.batch}/rank, context {args.context}, {args.gen} decode steps; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
