@@ -126,6 +126,31 @@ class Lockstep(Solo):
         self.ep.run_until_done()
 
 
+class _StallWatch:
+    """Two usual suspects of a long step, counted over a window: Python's garbage collector (ms spent) and the
+    CUDA caching allocator freeing its cache to retry a failed allocation (retries)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.gc_s, self._t = device, 0.0, 0.0
+        self._retries = self._alloc_retries()
+        gc.callbacks.append(self._on_gc)
+
+    def _alloc_retries(self) -> int:
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) if self.device.type == "cuda" else 0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._t
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def report(self) -> dict:
+        return dict(gc_ms=round(self.gc_s * 1e3, 1), alloc_retries=self._alloc_retries() - self._retries)
+
+
 def _max_tokens(args, windows: int) -> int:
     """Enough that no request ends before the last window (and the profile): requests prefilled in the first
     chunks decode while later ones prefill, at most ~2 steps per chunk of the whole batch's prompts."""
@@ -160,6 +185,7 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
         before, steps = engine.stats().generated_tokens, []
         if run.meter is not None:
             run.reset()
+        stalls = _StallWatch(run.device)
         t0 = time.perf_counter()
         for _ in range(args.gen):
             t = time.perf_counter()
@@ -167,11 +193,13 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
             steps.append(time.perf_counter() - t)
         e2e.sync(run.device)
         seconds = time.perf_counter() - t0
+        stalls.close()
         tokens = engine.stats().generated_tokens - before
         slowest = sorted(range(len(steps)), key=steps.__getitem__)[-3:][::-1]  # where a window's time went
         out["windows"].append(dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds, running=engine.stats().running,
                                    median_step_ms=statistics.median(steps) * 1e3,
-                                   slowest_steps_ms=[(i, round(steps[i] * 1e3, 1)) for i in slowest], **run.snapshot()))
+                                   slowest_steps_ms=[(i, round(steps[i] * 1e3, 1)) for i in slowest], **stalls.report(),
+                                   **run.snapshot()))
         if profile and args.profile_steps:
             for _ in range(2):  # warm again after the window, outside the profile
                 run.step()
@@ -419,8 +447,9 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
         tot, rows = sum(c["windows"][w]["tok_s"] for c in cells), [c["windows"][w]["rows"] for c in cells]
         compute = [_profile(c, w) for c in cells]
         compute = " / ".join(f"{p['compute_s'] / p['steps'] * 1e3:.2f}" if p else "-" for p in compute)
-        _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{c0['windows'][w]['median_step_ms']:.2f}",
-             c0["windows"][w].get("slowest_steps_ms", "-"),
+        w0 = c0["windows"][w]
+        _row(name, f"{tot:.1f}", f"{tot / args.world:.1f}", f"{w0['median_step_ms']:.2f}",
+             f"{w0['slowest_steps_ms']}; gc {w0['gc_ms']} ms, allocator retries {w0['alloc_retries']}",
              f"{max(rows) / statistics.mean(rows):.2f}" if min(rows) > 0 else "- (graphed steps)",
              "-" if model is None else f"{model:.3f}", compute)
     moved = sum(a != b for ra, rb in zip(c0["placement_before"], c0["placement_after"]) for a, b in zip(ra, rb))
