@@ -281,10 +281,17 @@ def _write(path: str, results: dict) -> None:
     os.replace(path + ".tmp", path)  # whole, even if the process is killed later
 
 
-def _free(device: str) -> None:
-    gc.collect()  # the engine and its expert-parallel wrapper refer to each other
+def _free(device: str, serving: bool = False) -> None:
+    """Free what was dropped (the engine and its expert-parallel wrapper refer to each other: a cycle, so the
+    heap is unfrozen first); serving: then freeze the heap as deepinfer-serve does once an engine is built."""
+    from deepinfer.engine.heap import freeze_startup_heap
+
+    gc.unfreeze()
+    gc.collect()
     if device != "cpu":
         torch.cuda.empty_cache()
+    if serving:
+        freeze_startup_heap()
 
 
 def _peer(_, args, out: str) -> None:
@@ -295,7 +302,7 @@ def _peer(_, args, out: str) -> None:
                             kv_cache_dtype=None, kv_cache_fraction=args.kv_cache_fraction, enforce_eager=False)
     engine = e2e.build_engine(hf, cfg, ns, None, args.max_model_len)
     del hf
-    _free(device)
+    _free(device, serving=True)
     run = Solo(engine)
     results = {"device": args.device_name, "graphs": run_batch(run, args, "peer-graphs")}
     _write(out, results)
@@ -323,7 +330,7 @@ def _build_ep(args, ctx, device, dtype, hot: dict | None = None, **fields):
     ckpt = TensorDictCheckpoint.from_transformers(hf)
     ep = build_engine(ec, ctx, checkpoint=ckpt, config=ModelConfig.from_hf_dict(cfg.to_dict()))
     del ckpt, hf
-    _free(device)
+    _free(device, serving=True)
     return ep
 
 
@@ -420,7 +427,7 @@ def _report(args, peer: dict, ranks: list[dict]) -> None:
     print(f"\n## One {device}, no expert parallelism (batch {args.batch}, context {args.context}, {args.gen} decode steps)")
     _row("engine", "decode tok/s", "median step ms", "prefill s", head=True)
     ref = {}
-    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs by default)")):
+    for name, label in (("graphs", "CUDA graphs + overlap (defaults)"), ("eager", "eager, no overlap (as EP runs with --enforce-eager)")):
         c = peer.get(name)
         if _ok(c):
             w = c["windows"][0]

@@ -33,6 +33,7 @@ from deepinfer.engine.expert_parallel import (
     launched_by_torchrun,
     shutdown_distributed,
 )
+from deepinfer.engine.heap import freeze_startup_heap
 from deepinfer.engine.llm_engine import EngineStats
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
@@ -183,6 +184,7 @@ def _follower_entry(rank: int, world: int, init_method: str, engine_config: Engi
     ctx = init_distributed(dist_backend, rank=rank, world_size=world, init_method=init_method,
                            timeout_s=COLLECTIVE_TIMEOUT_S, cpu_timeout_s=FOLLOWER_WAIT_S)
     ep = build_engine(engine_config, ctx)
+    freeze_startup_heap()  # as deepinfer-serve does in rank 0's process
     dist.barrier(group=ctx.cpu_group)  # pairs with rank 0's in launch()
     follow(ep)
 
@@ -238,6 +240,7 @@ def launch(engine_config: EngineConfig) -> Launch:
             child.kill()
         raise
     if ctx.rank != 0:
+        freeze_startup_heap()
         follow(ep)
         return Launch(None, children)
     return Launch(ExpertParallelFront(ep), children)

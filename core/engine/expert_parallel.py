@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import EngineConfig, ModelConfig
+from deepinfer.engine.heap import refreeze
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.errors import ConfigError, InvalidInputError
@@ -211,6 +212,7 @@ class ExpertParallelEngine:
             return
         graphs.release()
         graphs.capture()
+        refreeze()
         self.balancer.recorder.discard_current()
 
     def run_until_done(self) -> dict[str, RequestOutput]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from deepinfer.engine.heap import freeze_startup_heap
 from deepinfer.errors import ConfigError, DeepInferError
 
 API_KEY_ENV = "DEEPINFER_API_KEY"
@@ -269,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
     # The start-up heap (model, graphs, tokenizer) lives as long as the server: moved out of the collector's
     # reach, so that a full collection walks only what requests allocate (it cost ~100 ms every ~100 decode
     # steps at 256 sequences; benchmarks/host_overhead.py --gc-freeze).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     try:
         server.run()
     finally:
