@@ -18,6 +18,8 @@ from deepinfer.errors import DeepInferError
 
 logger = logging.getLogger(__name__)
 
+FAILURE_CHECK_S = 1.0
+
 
 class EngineError(DeepInferError, RuntimeError):
     """The engine could not serve a request."""
@@ -110,6 +112,19 @@ class AsyncLLMEngine:
                 if queue is not None and final is not None:
                     queue.put_nowait(final)
 
+    async def _step(self) -> list[RequestOutput]:
+        """engine.step() in a worker thread. While it runs, the engine's failure() is checked every
+        FAILURE_CHECK_S: a step blocked on a peer process that is gone (an expert-parallel rank) would
+        otherwise hold every request until the collective timeout; the blocked thread is left behind."""
+        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+        while True:
+            done, _ = await asyncio.wait({step}, timeout=FAILURE_CHECK_S)
+            if done:
+                return step.result()
+            failure = self.engine.failure()
+            if failure is not None:
+                raise EngineDeadError(failure)
+
     async def _run(self) -> None:
         try:
             while True:
@@ -119,7 +134,7 @@ class AsyncLLMEngine:
                     if not self._commands:
                         await self._wake.wait()
                     continue
-                outputs = await asyncio.to_thread(self.engine.step)
+                outputs = await self._step()
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:

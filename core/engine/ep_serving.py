@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 from typing import Any
@@ -26,6 +27,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.expert_parallel import (
     ExpertParallelEngine,
     ParallelContext,
+    RankFailedError,
     build_engine,
     check_config,
     dist_backend_for,
@@ -49,8 +51,11 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 class ExpertParallelFront:
     """Rank 0's view of all ranks' engines, with the LLMEngine members the async engine and server use."""
 
-    def __init__(self, ep: ExpertParallelEngine):
+    def __init__(self, ep: ExpertParallelEngine, local_ranks: list[Any] | None = None):
+        """local_ranks: the follower processes this process spawned (none under torchrun)."""
         self.ep = ep
+        self._local_ranks = local_ranks or []
+        self._failed: str | None = None
         engine = ep.engine
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -102,12 +107,32 @@ class ExpertParallelFront:
     def has_unfinished(self) -> bool:
         return bool(self._owner or self._commands)
 
+    def failure(self) -> str | None:
+        """Why the group can no longer step: this rank's step failed, or a local follower process is gone (its
+        peers' GPU collectives would wait for it until the collective timeout); None while it can."""
+        if self._failed is None:
+            for rank, child in enumerate(self._local_ranks, start=1):
+                if child.exitcode is not None:
+                    self._failed = f"expert-parallel rank {rank} exited (code {child.exitcode})"
+                    break
+        return self._failed
+
     def step(self) -> list[RequestOutput]:
+        if (failed := self.failure()) is not None:
+            raise RankFailedError(failed)
         commands, self._commands = self._commands, []
-        _broadcast(commands, self.ep.ctx)
-        outputs = self.ep.step() or []
-        gathered: list[Any] = [None] * self.world_size
-        dist.gather_object((outputs, self.engine.stats()), gathered, dst=0, group=self.ep.ctx.cpu_group)
+        try:
+            _broadcast(commands, self.ep.ctx)
+            outputs = self.ep.step() or []
+            gathered: list[Any] = [None] * self.world_size
+            dist.gather_object((outputs, self.engine.stats()), gathered, dst=0, group=self.ep.ctx.cpu_group)
+        except Exception as exc:
+            # The followers wait in collectives this rank will not join: end the local ones now (torchrun's
+            # agent ends its own once a process exits).
+            self._failed = self.failure() or str(exc)
+            for child in self._local_ranks:
+                child.kill()
+            raise exc if isinstance(exc, RankFailedError) else RankFailedError(self._failed) from exc
         merged = []
         self._stats = [stats for _, stats in gathered]
         for rank, (outs, _) in enumerate(gathered):
@@ -133,8 +158,12 @@ class ExpertParallelFront:
                                    cache_usage=sum(x.cache_usage * x.num_blocks for x in s) / blocks if blocks else 0.0)
 
     def shutdown(self) -> None:
-        """Release the followers and leave the process group."""
+        """Release the followers and leave the process group (not after a failure: collectives left half-way
+        would block both)."""
+        if self.failure() is not None:
+            return
         _broadcast(_SHUTDOWN, self.ep.ctx)
+        self._local_ranks = []  # released: their exits are no failure
         self.ep.close()
         shutdown_distributed(self.ep.ctx)
 
@@ -154,22 +183,30 @@ def follow(ep: ExpertParallelEngine) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     ctx = ep.ctx
-    while True:
-        commands = _broadcast(None, ctx)
-        if commands == _SHUTDOWN:
-            break
-        for command in commands:
-            if command[1] != ctx.rank:
-                continue
-            try:
-                if command[0] == "add":
-                    ep.engine.add_request(*command[2:])
-                else:
-                    ep.engine.abort(command[2])
-            except DeepInferError as err:  # rank 0 validated it with the same configuration: should not happen
-                logger.error("rank %d could not apply %s %s: %s", ctx.rank, command[0], command[2], err)
-        outputs = ep.step() or []
-        dist.gather_object((outputs, ep.engine.stats()), None, dst=0, group=ctx.cpu_group)
+    try:
+        while True:
+            commands = _broadcast(None, ctx)
+            if commands == _SHUTDOWN:
+                break
+            for command in commands:
+                if command[1] != ctx.rank:
+                    continue
+                try:
+                    if command[0] == "add":
+                        ep.engine.add_request(*command[2:])
+                    else:
+                        ep.engine.abort(command[2])
+                except DeepInferError as err:  # rank 0 validated it with the same configuration: should not happen
+                    logger.error("rank %d could not apply %s %s: %s", ctx.rank, command[0], command[2], err)
+            outputs = ep.step() or []
+            dist.gather_object((outputs, ep.engine.stats()), None, dst=0, group=ctx.cpu_group)
+    except BaseException:
+        # This rank's step failed, or rank 0 is gone. Exit at once: a clean teardown would wait in collectives
+        # that cannot complete, and an exit closes this rank's connections, so its peers fail fast (rank 0's
+        # front reports it; torchrun's agent ends the rest).
+        logger.exception("expert-parallel rank %d failed; exiting", ctx.rank)
+        logging.shutdown()
+        os._exit(1)
     ep.close()
     shutdown_distributed(ctx)
 
@@ -243,4 +280,4 @@ def launch(engine_config: EngineConfig) -> Launch:
         freeze_startup_heap()
         follow(ep)
         return Launch(None, children)
-    return Launch(ExpertParallelFront(ep), children)
+    return Launch(ExpertParallelFront(ep, children), children)

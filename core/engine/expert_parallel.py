@@ -14,8 +14,10 @@ tokens any rank runs, and on whether every rank's step is a decode a captured gr
 the graph of the smallest captured size holding the capacity (an idle rank on dummy rows alone), its MoE
 dispatch on fixed-size buffers; otherwise all run eagerly with that capacity (fixed-size buffers while small,
 exchanged counts past that: the backend decides from the capacity alone, so alike on every rank).
-After the step each rank's EPLB balancer ticks (same step count and summed load on every rank, so they
-decide alike; rank 0's placement is broadcast) and, when it rebalances, migrates weights between steps.
+A rank whose step fails (out of device memory included) raises RankFailedError: the others wait in that
+step's collectives for it, so the group cannot go on (ep_serving ends it). After the step each rank's EPLB
+balancer ticks (same step count and summed load on every rank, so they decide alike; rank 0's placement is
+broadcast) and, when it rebalances, migrates weights between steps.
 
 Launch: `init_distributed` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT) or takes rank/world/init_method from a local launcher (deepinfer-serve spawning ranks).
@@ -37,7 +39,7 @@ from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.heap import refreeze
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.errors import ConfigError, InvalidInputError
+from deepinfer.errors import ConfigError, DeepInferError, InvalidInputError
 from deepinfer.model.checkpoint import Checkpoint
 from deepinfer.model.moe import MoE
 from deepinfer.moe.balancer import ExpertLoadBalancer, RebalanceEvent
@@ -45,6 +47,11 @@ from deepinfer.moe.placement import ModelPlacement
 from deepinfer.moe.policy import EPLBConfig
 
 logger = logging.getLogger(__name__)
+
+
+class RankFailedError(DeepInferError, RuntimeError):
+    """A rank's step failed: its peers wait in collectives it will not join, so the group cannot go on."""
+
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -192,10 +199,16 @@ class ExpertParallelEngine:
         """One lockstep step: this rank's outputs, or None when no rank had work (nothing ran anywhere)."""
         if not self.any_rank_has_work():
             return None
-        outputs = self.engine.step()  # a forward of this rank's batch, or the idle forward
-        self.steps += 1
-        if self.balancer is not None and self.balancer.after_step() is not None:
-            self._recapture()
+        try:
+            outputs = self.engine.step()  # a forward of this rank's batch, or the idle forward
+            self.steps += 1
+            if self.balancer is not None and self.balancer.after_step() is not None:
+                self._recapture()
+        except Exception as exc:
+            # Out of memory included: one rank cannot fail only its own requests, since the others wait in
+            # this step's collectives for it.
+            raise RankFailedError(f"expert-parallel rank {self.ctx.rank} failed in step {self.steps + 1}: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         return outputs
 
     def rebalance(self, load: torch.Tensor | None = None) -> RebalanceEvent:

@@ -235,6 +235,11 @@ class LLMEngine:
             spec_decode=self.speculator.metrics.snapshot() if self.speculator else None,
         )
 
+    def failure(self) -> str | None:
+        """Why this engine can no longer step although its own state is sound (a peer process it steps with
+        is gone), or None. A single-process engine has no such peers."""
+        return None
+
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs of the requests that moved. With overlapped scheduling the
@@ -256,6 +261,8 @@ class LLMEngine:
                 return outputs
             return outputs + self._run(plan)
         except _ForwardOutOfMemory as oom:
+            if self.engine_config.expert_parallel_size > 1:
+                raise  # the other ranks wait in this forward's MoE collectives: the group fails (expert_parallel)
             return (self._resolve(pending) if outputs is None else outputs) + self._fail_step(plan, oom)
 
     def _execute(self, layout: _StepLayout, capture: tuple[int, ...] = (), pending: InFlightStep | None = None):

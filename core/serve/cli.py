@@ -275,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if getattr(app.state, "expert_parallel", None) is not None:
             app.state.expert_parallel.close()  # release the follower ranks
+    failed = getattr(app.state, "expert_parallel", None) and app.state.expert_parallel.front.failure()
+    if failed:
+        logger.error("shut down after an expert-parallel failure: %s", failed)
+        logging.shutdown()
+        os._exit(1)  # not a normal exit: the engine's step thread may still wait on the lost rank's collectives
     if not server.started:
         return 1  # e.g. the port was taken: uvicorn has logged why
     logger.info("shut down cleanly")
