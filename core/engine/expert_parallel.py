@@ -202,8 +202,8 @@ class ExpertParallelEngine:
         try:
             outputs = self.engine.step()  # a forward of this rank's batch, or the idle forward
             self.steps += 1
-            if self.balancer is not None and self.balancer.after_step() is not None:
-                self._recapture()
+            if self.balancer is not None:
+                self._after_rebalance(self.balancer.after_step())
         except Exception as exc:
             # Out of memory included: one rank cannot fail only its own requests, since the others wait in
             # this step's collectives for it.
@@ -214,14 +214,15 @@ class ExpertParallelEngine:
     def rebalance(self, load: torch.Tensor | None = None) -> RebalanceEvent:
         """Collective: EPLB's placement for `load` (default: the recorded window) now, on every rank."""
         event = self.balancer.rebalance(load)
-        self._recapture()
+        self._after_rebalance(event)
         return event
 
-    def _recapture(self) -> None:
-        """After experts moved: the decode graphs point at the old weights and placement; capture them again
-        (collective: every rank rebalances at the same step)."""
+    def _after_rebalance(self, event: RebalanceEvent | None) -> None:
+        """Experts moved in place (weights and routing tables kept their addresses) leave the decode graphs
+        valid. Otherwise (a switch from or to the identity map) they point at the old placement: captured
+        again, collectively (every rank rebalances at the same step)."""
         graphs = self.engine.runner.graphs
-        if graphs is None:
+        if event is None or event.in_place or graphs is None:
             return
         graphs.release()
         graphs.capture()

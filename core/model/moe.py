@@ -64,11 +64,15 @@ class MoE:
         self.group = group  # the expert-parallel process group (None: the default group)
         self.load_hook: Callable[[torch.Tensor], None] | None = None  # EPLB: sees the logical choices [T, k]
 
-    def set_placement(self, placement: ExpertPlacement, experts: GatedMLP) -> None:
-        """Switch to a new slot map and the matching local expert weights (between steps, on every rank)."""
+    def set_placement(self, placement: ExpertPlacement) -> bool:
+        """Switch to a new slot map (between steps, on every rank; the local expert weights were migrated in
+        place: deepinfer.moe.migration). True when the switch kept the routing tensors' addresses, so captured
+        decode graphs stay valid; False when it could not (they must be captured again)."""
         if self.folded_shared:
             raise ConfigError("a layer built for one process (shared experts folded in) cannot take a placement")
-        self.placement, self.experts = placement, experts
+        kept = None if self.placement is None else placement.written_into(self.placement)
+        self.placement = kept or placement
+        return kept is not None
 
     def _route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights, ids) [T, top_k + shared]: the routed choices, then `shared` folded shared experts."""

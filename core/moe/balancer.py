@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepinfer.backend import Backend
 from deepinfer.errors import ConfigError
 from deepinfer.model.moe import MoE
-from deepinfer.moe.migration import migrate_experts, plan_migration
+from deepinfer.moe.migration import migrate_experts_in_place, plan_migration
 from deepinfer.moe.placement import ModelPlacement, align_to, imbalance
 from deepinfer.moe.policy import EPLBConfig, RebalanceTrigger
 from deepinfer.moe.recorder import ExpertLoadRecorder
@@ -33,6 +33,7 @@ class RebalanceEvent:
     transfers: int  # expert copies moved between ranks, over all layers
     imbalance_before: float  # modelled max/mean GPU load of the window under the old placement
     imbalance_after: float
+    in_place: bool = True  # weights and routing tables kept their addresses: captured graphs are still valid
 
 
 class ExpertLoadBalancer:
@@ -108,17 +109,17 @@ class ExpertLoadBalancer:
             return None
         reason = reason or "rank 0's decision"
         new = ModelPlacement(old.layer_ids, message[1:].clone(), old.num_logical, self.num_ranks)
-        transfers = 0
+        transfers, in_place = 0, True
         for row, layer_id in enumerate(old.layer_ids):
             plan = plan_migration(old.phy2log[row].tolist(), new.phy2log[row].tolist(), self.num_ranks)
             transfers += plan.transfers
             moe = self.layers[layer_id]
-            experts = migrate_experts(moe.experts, plan, self.rank, self.group)
-            moe.set_placement(new.layer(layer_id, self.rank, self.backend.device), experts)
+            migrate_experts_in_place(moe.experts, plan, self.rank, self.group)
+            in_place &= moe.set_placement(new.layer(layer_id, self.rank, self.backend.device))
         self.placement = new
         self.trigger.rebalanced()
         event = RebalanceEvent(self.recorder.steps, reason, transfers, imbalance(old.phy2log, load, self.num_ranks),
-                               imbalance(new.phy2log, load, self.num_ranks))
+                               imbalance(new.phy2log, load, self.num_ranks), in_place)
         self.events.append(event)
         logger.info("EPLB rebalance at step %d (%s): %d expert copies moved, imbalance %.3f -> %.3f",
                     event.step, reason, transfers, event.imbalance_before, event.imbalance_after)

@@ -8,7 +8,6 @@ any dtype (bf16, FP8, NVFP4 and their scales) travels unchanged: the moved weigh
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,16 +103,11 @@ def migrate_tensor(t: torch.Tensor, plan: MigrationPlan, rank: int, group: Any =
     return out.reshape(-1).view(t.dtype).reshape(t.shape)
 
 
-def migrate_weight(w: LinearWeight | None, plan: MigrationPlan, rank: int, group: Any = None) -> LinearWeight | None:
-    if w is None:
-        return None
-    move = lambda t: None if t is None else migrate_tensor(t, plan, rank, group)  # noqa: E731
-    return LinearWeight(move(w.data), w.format, w.in_features, move(w.scale), move(w.global_scale))
-
-
-def migrate_experts(experts: Any, plan: MigrationPlan, rank: int, group: Any = None) -> Any:
-    """A copy of a stacked-experts GatedMLP holding the new placement's local experts."""
-    new = copy.copy(experts)
+def migrate_experts_in_place(experts: Any, plan: MigrationPlan, rank: int, group: Any = None) -> None:
+    """Move a stacked-experts GatedMLP's weights to the new placement's local experts, each tensor rewritten
+    in place (same shape, same address: captured decode graphs keep reading the right weights)."""
     for name in ("gate_up", "gate", "up", "down"):
-        setattr(new, name, migrate_weight(getattr(experts, name), plan, rank, group))
-    return new
+        w: LinearWeight | None = getattr(experts, name)
+        for t in () if w is None else (w.data, w.scale, w.global_scale):
+            if t is not None:
+                t.copy_(migrate_tensor(t, plan, rank, group))

@@ -65,7 +65,22 @@ class ExpertPlacement:
         phy2log = torch.as_tensor(phy2log, dtype=torch.int64).cpu()
         check_phy2log(phy2log[None], num_logical, num_ranks)
         log2phy, logcnt = logical_to_physical(phy2log[None], num_logical)
-        return cls(phy2log.to(device), log2phy[0].to(device), logcnt[0].to(device), num_ranks, rank)
+        # log2phy as wide as any placement of these slots can need (one expert in every spare slot), so
+        # that every placement of the layer has the same shapes (see written_into).
+        width = phy2log.shape[0] - num_logical + 1
+        log2phy = torch.nn.functional.pad(log2phy[0], (0, width - log2phy.shape[2]), value=-1)
+        return cls(phy2log.to(device), log2phy.to(device), logcnt[0].to(device), num_ranks, rank)
+
+    def written_into(self, current: ExpertPlacement) -> ExpertPlacement | None:
+        """This placement over `current`'s tensors, its values copied there: captured CUDA graphs read those
+        addresses, so they route by the new map without a new capture. None where it cannot be (other shapes,
+        or one side the identity map, which routing skips altogether)."""
+        same = all(a.shape == b.shape for a, b in ((self.phy2log, current.phy2log), (self.log2phy, current.log2phy),
+                                                   (self.logcnt, current.logcnt)))
+        if not same or self._identity != current._identity or (self.num_ranks, self.rank) != (current.num_ranks, current.rank):
+            return None
+        return ExpertPlacement(current.phy2log.copy_(self.phy2log), current.log2phy.copy_(self.log2phy),
+                               current.logcnt.copy_(self.logcnt), self.num_ranks, self.rank)
 
     @property
     def num_logical(self) -> int:

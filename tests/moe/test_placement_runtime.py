@@ -148,6 +148,28 @@ def test_moe_layer_on_a_placement_matches_all_experts(backend, gen):
     assert torch.allclose(placed.forward(x), plain.forward(x), atol=1e-5)
     assert placed.forward(x[:0]).shape == (0, h)  # an idle rank's empty batch
 
+    # EPLB moves the experts in place: same tensors (captured decode graphs read their addresses), new values.
+    from deepinfer.moe.migration import migrate_experts_in_place
+
+    def addresses(layer):
+        weights = [layer.experts.gate_up or layer.experts.gate, layer.experts.down]
+        return [t.data_ptr() for wt in weights for t in (wt.data, wt.scale) if t is not None] + [
+            t.data_ptr() for t in (layer.placement.phy2log, layer.placement.log2phy, layer.placement.logcnt)]
+
+    before = addresses(placed)
+    for new_map in (torch.tensor([5, 3, 3, 0, 1, 2, 4, 3]), torch.tensor([0, 1, 2, 3, 4, 5, 0, 0])):
+        new = ExpertPlacement.from_phy2log(new_map, e, 1, 0, dev)  # 3 copies of expert 3, then of expert 0
+        migrate_experts_in_place(placed.experts, plan_migration(placed.placement.phy2log.tolist(), new_map.tolist(), 1), 0)
+        assert placed.set_placement(new)
+        assert addresses(placed) == before and placed.placement.local_experts == tuple(new_map.tolist())
+        assert torch.allclose(placed.forward(x), plain.forward(x), atol=1e-5)
+    # From the identity map (routing skips the tables) a switch cannot be in place: the caller captures again.
+    identity = MoE(backend, spec, gate, None, experts(range(e)), None, ExpertPlacement.from_phy2log(torch.arange(e), e, 1, 0, dev))
+    shuffled = torch.tensor([5, 4, 3, 2, 1, 0])
+    migrate_experts_in_place(identity.experts, plan_migration(list(range(e)), shuffled.tolist(), 1), 0)
+    assert not identity.set_placement(ExpertPlacement.from_phy2log(shuffled, e, 1, 0, dev))
+    assert torch.allclose(identity.forward(x), plain.forward(x), atol=1e-5)
+
 
 def test_engine_config_eplb_checks():
     with pytest.raises(ConfigError, match="needs enable_eplb"):
