@@ -129,6 +129,8 @@ class ExpertParallelFront:
         except Exception as exc:
             # The followers wait in collectives this rank will not join: end the local ones now (torchrun's
             # agent ends its own once a process exits).
+            for child in self._local_ranks:  # a follower that died is the cause: let its exit code show
+                child.join(1.0)
             self._failed = self.failure() or str(exc)
             for child in self._local_ranks:
                 child.kill()

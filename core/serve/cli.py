@@ -15,6 +15,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -250,6 +252,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True  # uvicorn stops accepting connections and waits for the open ones
 
 
+def _stop_on_group_failure(front, server: uvicorn.Server, every_s: float = 1.0) -> None:
+    """An expert-parallel group that lost a rank cannot serve again (every request already got an error):
+    stop the server, so that it exits (status 1) for a supervisor to restart, instead of answering 503s."""
+    while not server.should_exit:
+        if front.failure() is not None:
+            logger.error("expert-parallel group failed (%s): stopping the server", front.failure())
+            server.should_exit = True
+            return
+        time.sleep(every_s)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -270,12 +283,16 @@ def run(args: argparse.Namespace) -> int:
     # reach, so that a full collection walks only what requests allocate (it cost ~100 ms every ~100 decode
     # steps at 256 sequences; benchmarks/host_overhead.py --gc-freeze).
     freeze_startup_heap()
+    expert_parallel = getattr(app.state, "expert_parallel", None)
+    if expert_parallel is not None:
+        threading.Thread(target=_stop_on_group_failure, args=(expert_parallel.front, server), daemon=True,
+                         name="deepinfer-ep-watch").start()
     try:
         server.run()
     finally:
-        if getattr(app.state, "expert_parallel", None) is not None:
-            app.state.expert_parallel.close()  # release the follower ranks
-    failed = getattr(app.state, "expert_parallel", None) and app.state.expert_parallel.front.failure()
+        if expert_parallel is not None:
+            expert_parallel.close()  # release the follower ranks
+    failed = expert_parallel is not None and expert_parallel.front.failure()
     if failed:
         logger.error("shut down after an expert-parallel failure: %s", failed)
         logging.shutdown()
