@@ -134,7 +134,9 @@ class ExpertParallelFront:
             self._failed = self.failure() or str(exc)
             for child in self._local_ranks:
                 child.kill()
-            raise exc if isinstance(exc, RankFailedError) else RankFailedError(self._failed) from exc
+            if isinstance(exc, RankFailedError):  # this rank's own step: its message says what failed
+                raise
+            raise RankFailedError(self._failed) from exc
         merged = []
         self._stats = [stats for _, stats in gathered]
         for rank, (outs, _) in enumerate(gathered):
