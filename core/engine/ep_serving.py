@@ -131,10 +131,11 @@ class ExpertParallelFront:
             # agent ends its own once a process exits).
             for child in self._local_ranks:  # a follower that died is the cause: let its exit code show
                 child.join(1.0)
-            self._failed = self.failure() or str(exc)
+            lost = self.failure()
+            self._failed = lost or str(exc)
             for child in self._local_ranks:
                 child.kill()
-            if isinstance(exc, RankFailedError):  # this rank's own step: its message says what failed
+            if lost is None and isinstance(exc, RankFailedError):  # this rank's own step failed: it says how
                 raise
             raise RankFailedError(self._failed) from exc
         merged = []
