@@ -261,7 +261,8 @@ def check_config(engine_config: EngineConfig, config: ModelConfig | None = None)
 
 def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_check_interval: int = 50,
                  checkpoint: Checkpoint | None = None, config: ModelConfig | None = None) -> ExpertParallelEngine:
-    """Load this rank's share of the model and its engine (no collective runs here).
+    """Load this rank's share of the model and its engine. Collective on GPUs (every rank builds at once): the
+    memory profile's step and the decode graphs' captures run the MoE all-to-alls.
 
     checkpoint, config: load from this checkpoint (e.g. a TensorDictCheckpoint of tensors already in memory)
     with its ModelConfig instead of the folder engine_config.model (then only a name; no tokenizer).
@@ -309,7 +310,7 @@ def build_engine(engine_config: EngineConfig, ctx: ParallelContext, *, eplb_chec
                                       num_groups=config.n_group, group=ctx.group, cpu_group=ctx.cpu_group)
     engine = LLMEngine(model, backend, engine_config, tokenizer, max_model_len)
     if balancer is not None:
-        balancer.recorder.discard_current()  # the graph captures' warm-up forwards
+        balancer.recorder.discard_current()  # the memory profile's and the graph captures' forwards
     logger.info("rank %d/%d: %d MoE layers, %d expert slots per rank (%d redundant)%s", ctx.rank, ctx.world_size,
                 len(layer_ids), num_physical // ctx.world_size, engine_config.num_redundant_experts,
                 ", EPLB on" if balancer else "")

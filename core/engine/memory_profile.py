@@ -73,15 +73,16 @@ def kv_cache_spec(model: DeepseekModel, backend: Backend, ec: EngineConfig, max_
                   logit_rows: int) -> KVCacheSpec:
     """Blocks that fit the budget (kv_cache_memory, else kv_cache_fraction of the free memory less the largest
     step's measured allocation), capped at what max_num_seqs full-length sequences could use. logit_rows: the
-    float32 logits rows a step may hold at once. Expert-parallel ranks skip the measurement: a lone rank's
-    forward would wait in the MoE all-to-all for the others."""
+    float32 logits rows a step may hold at once. Expert-parallel ranks build their engines at the same time with
+    one configuration, so they all run the measured step and its MoE all-to-alls pair up; its random routing
+    measures a typical step, not the most skewed one."""
     c = model.config
     probe = KVCacheSpec(1, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
     bytes_per_block = probe.bytes_per_token * ec.block_size * model.num_cache_layers
     budget = ec.kv_cache_memory
     if budget is None:
         free = _free_memory(backend.device)
-        reserve = 0 if ec.expert_parallel_size > 1 else peak_step_bytes(
+        reserve = peak_step_bytes(
             model, backend, tokens=ec.max_num_batched_tokens, context=max_model_len, logit_rows=logit_rows,
             block_size=ec.block_size, kv_dtype=kv_dtype, free_bytes=free)
         budget = int(max(0, free - reserve) * ec.kv_cache_fraction)
