@@ -36,8 +36,7 @@ from deepinfer.engine.expert_parallel import (
     shutdown_distributed,
 )
 from deepinfer.engine.heap import freeze_startup_heap
-from deepinfer.engine.llm_engine import EngineStats
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ConfigError, DeepInferError, InvalidInputError
 

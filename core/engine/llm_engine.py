@@ -22,7 +22,7 @@ from deepinfer.backend import Backend
 from deepinfer.config import EngineConfig, ModelConfig
 from deepinfer.engine.cuda_graphs import default_batch_sizes
 from deepinfer.engine.memory_profile import kv_cache_spec
-from deepinfer.engine.outputs import PositionLogprobs, RequestOutput
+from deepinfer.engine.outputs import EngineStats, PositionLogprobs, RequestOutput
 from deepinfer.engine.overlap import InFlightStep, pending_input
 from deepinfer.engine.request_state import FINISH_REASON, EngineRequest, completion_seed
 from deepinfer.engine.runner import ModelRunner
@@ -34,7 +34,6 @@ from deepinfer.engine.sequence import PENDING_TOKEN, EngineStateError, Sequence,
 from deepinfer.errors import ConfigError, InvalidInputError
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.spec.drafter import DraftRequest, Observation
-from deepinfer.spec.metrics import SpecDecodeStats
 from deepinfer.spec.verifier import VerifyContext, verify
 from deepinfer.transfer import take_rows, to_device
 
@@ -56,24 +55,6 @@ def _out_of_memory_fails_step():
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows whose logits exist at once (the start-up memory profile counts them)
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters for /metrics: token counts are totals since start-up."""
-
-    running: int
-    waiting: int
-    cache_usage: float  # fraction of cache blocks held by requests
-    prefix_cache_hit_rate: float
-    prefix_cache_hits: int  # prompt tokens found in the prefix cache
-    prefix_cache_queries: int
-    preemptions: int
-    prompt_tokens: int  # prompt tokens run through the model
-    generated_tokens: int
-    num_blocks: int
-    free_blocks: int  # free or evictable (cached but unreferenced)
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it runs
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
-"""Generation results shaped like vLLM's RequestOutput / CompletionOutput."""
+"""Generation results shaped like vLLM's RequestOutput / CompletionOutput, and the engine's counters (EngineStats)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.spec.metrics import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,21 @@ class RequestOutput:
     # Set when the engine failed the request (its step ran out of device memory); it ends with finish_reason
     # "abort" and the server answers with an error.
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters for /metrics: token counts are totals since start-up."""
+
+    running: int
+    waiting: int
+    cache_usage: float  # fraction of cache blocks held by requests
+    prefix_cache_hit_rate: float
+    prefix_cache_hits: int  # prompt tokens found in the prefix cache
+    prefix_cache_queries: int
+    preemptions: int
+    prompt_tokens: int  # prompt tokens run through the model
+    generated_tokens: int
+    num_blocks: int
+    free_blocks: int  # free or evictable (cached but unreferenced)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters, when it runs
