@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory):
     return str(save_checkpoint(build_hf_model("deepseek_v3", seed=5), tmp_path_factory.mktemp("ep-failure-model")))
 
 
-def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, path: str, out: str, failing: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -39,19 +39,19 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     from deepinfer.engine.expert_parallel import RankFailedError
     from deepinfer.engine.runner import ModelRunner
 
-    if rank == 1:  # fault injection in this process only: its fourth forward runs out of device memory
+    if rank == failing:  # fault injection in this process only: its fourth forward runs out of device memory
         execute, calls = ModelRunner.execute, [0]
 
-        def failing(self, *args, **kwargs):
+        def out_of_memory(self, *args, **kwargs):
             calls[0] += 1
             if calls[0] == FAILING_FORWARD:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
             return execute(self, *args, **kwargs)
 
-        ModelRunner.execute = failing
+        ModelRunner.execute = out_of_memory
     config = EngineConfig(model=path, backend="reference", dtype="float32", progress=False, kv_cache_memory=1 << 22,
                           expert_parallel_size=world)
-    run = launch(config)  # rank 1 follows until it fails, and then exits the process
+    run = launch(config)  # rank 1 follows until it (or rank 0) fails, and then exits the process
     front = run.front
     for i in range(4):
         front.add_request(f"r{i}", [3 + i, 9, 11, 30], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
@@ -70,12 +70,14 @@ def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     os._exit(0)
 
 
-def test_a_failing_rank_ends_the_group_promptly(checkpoint, tmp_path):
+@pytest.mark.parametrize("failing", [1, 0], ids=["follower", "front"])
+def test_a_failing_rank_ends_the_group_promptly(checkpoint, tmp_path, failing):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spawn = mp.get_context("spawn")
-    ranks = [spawn.Process(target=_rank, args=(r, 2, port, checkpoint, str(tmp_path / f"out{r}.pt"))) for r in range(2)]
+    ranks = [spawn.Process(target=_rank, args=(r, 2, port, checkpoint, str(tmp_path / f"out{r}.pt"), failing))
+             for r in range(2)]
     for p in ranks:
         p.start()
     deadline = time.monotonic() + 150
@@ -87,10 +89,12 @@ def test_a_failing_rank_ends_the_group_promptly(checkpoint, tmp_path):
         for p in ranks:
             if p.is_alive():
                 p.kill()
-    assert ranks[1].exitcode == 1  # the failing follower exited
+    assert ranks[1].exitcode == 1  # the follower exited: its own step failed, or rank 0 left the group
     lead = torch.load(tmp_path / "out0.pt", weights_only=False)
     assert ranks[0].exitcode == 0, lead
     assert lead["error"] is not None and lead["failure"] is not None, lead
+    if failing == 0:  # the front's own step: the error says which rank and what
+        assert "rank 0 failed" in lead["error"] and "out of memory" in lead["error"], lead
     assert lead["steps"] >= 2  # prefill and some decoding ran before the failure
     assert lead["waited"] < 120  # not the collective timeout (30 min)
 
