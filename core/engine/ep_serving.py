@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -71,10 +72,7 @@ class ExpertParallelFront:
         return self.ep.ctx.world_size
 
     def _pick_rank(self) -> int:
-        load = [0] * self.world_size
-        for rank, _ in self._owner.values():
-            load[rank] += 1
-        return min(range(self.world_size), key=lambda r: (load[r], r))
+        return least_loaded_rank(self._owner.values(), self.world_size)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Validate on rank 0's engine (every rank has the same configuration) and queue for the chosen rank."""
@@ -170,6 +168,16 @@ class ExpertParallelFront:
         self._local_ranks = []  # released: their exits are no failure
         self.ep.close()
         shutdown_distributed(self.ep.ctx)
+
+
+def least_loaded_rank(owners: Iterable[tuple[int, int]], world_size: int) -> int:
+    """The rank with the fewest unfinished sequences, from (rank, completions) per unfinished request; ties go to
+    the lowest rank. Sequences, not requests: a request with n completions decodes n rows every step, and in
+    lockstep the rank with the largest batch sets every rank's step time."""
+    load = [0] * world_size
+    for rank, completions in owners:
+        load[rank] += completions
+    return min(range(world_size), key=lambda r: (load[r], r))
 
 
 def _broadcast(message: Any, ctx: ParallelContext) -> Any:

@@ -95,3 +95,13 @@ def test_front_and_follower_match_one_engine(checkpoint, tmp_path):
         assert lead["final"][rid][0] == tokens
         assert all(abs(a - b) <= 1e-5 for a, b in zip(lead["final"][rid][1], logprobs, strict=True))
     assert lead["generated"] >= sum(len(t) for t, _ in want.values())  # stats summed over both ranks
+
+
+def test_requests_go_to_the_rank_with_the_fewest_sequences():
+    from deepinfer.engine.ep_serving import least_loaded_rank
+
+    assert least_loaded_rank([], 3) == 0
+    assert least_loaded_rank([(0, 1), (1, 1)], 3) == 2
+    # A request of 4 completions weighs 4 sequences: rank 1's two single requests are the lighter load.
+    assert least_loaded_rank([(0, 4), (1, 1), (1, 1)], 2) == 1
+    assert least_loaded_rank([(0, 2), (1, 1), (1, 1)], 2) == 0  # a tie: the lowest rank
