@@ -21,17 +21,16 @@ class ExpertLoadRecorder:
         if window_size <= 0 or num_layers <= 0 or num_experts <= 0:
             raise InvalidInputError(f"window_size, num_layers and num_experts must be positive, got {window_size}, {num_layers}, {num_experts}")
         self.num_experts = num_experts
-        # One slot more than the window: the step in progress, beside the last `window_size` finished ones.
-        self._counts = torch.zeros(window_size + 1, num_layers, num_experts, dtype=torch.int64, device=device)
+        # The last `window_size` finished steps (a ring; _slot is the oldest), and the step in progress.
+        self._counts = torch.zeros(window_size, num_layers, num_experts, dtype=torch.int64, device=device)
         self._slot = 0
         self._current = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self._rows = torch.full((), 2**40, dtype=torch.int64, device=device)  # rows counted: all, until set_rows
-        self._positions = torch.arange(0, dtype=torch.int64, device=device)
         self.steps = 0  # steps recorded since start-up (or the last reset)
 
     @property
     def window_size(self) -> int:
-        return self._counts.shape[0] - 1
+        return self._counts.shape[0]
 
     def set_rows(self, rows: int) -> None:
         """Count only the first `rows` tokens of the next forward's layers (a padded graph replay's real ones)."""
@@ -42,9 +41,9 @@ class ExpertLoadRecorder:
         flat = topk_ids.reshape(-1)
         if not flat.numel():
             return
-        if self._positions.numel() < flat.numel():  # grown by an eager forward before any capture of this size
-            self._positions = torch.arange(2 * flat.numel(), dtype=torch.int64, device=self._current.device)
-        real = self._positions[: flat.numel()] < self._rows * topk_ids.shape[1]
+        # Positions made here, not cached: a graph would hold a cached tensor that a larger step replaces.
+        positions = torch.arange(flat.numel(), dtype=torch.int64, device=self._current.device)
+        real = positions < self._rows * topk_ids.shape[1]
         row = self._current[layer]
         row.index_add_(0, flat.to(row.device, torch.int64), real.to(torch.int64))
 
@@ -54,10 +53,9 @@ class ExpertLoadRecorder:
 
     def advance(self) -> None:
         """Close the current step: it enters the window, and the oldest step leaves it."""
-        self._counts[self._slot].copy_(self._current)
+        self._counts[self._slot].copy_(self._current)  # over the oldest
         self._current.zero_()
         self._slot = (self._slot + 1) % self._counts.shape[0]
-        self._counts[self._slot].zero_()
         self.steps += 1
 
     def discard_current(self) -> None:
