@@ -338,8 +338,7 @@ class LLMEngine:
     # --- overlapped scheduling (deepinfer.engine.overlap) ---------------------------------------------
     def _can_defer(self, plan: SchedulerOutput) -> bool:
         """Whether this step's sampled tokens may stay on the device while the next step is scheduled."""
-        ec = self.engine_config
-        if not ec.overlap_scheduling or self.speculator is not None:
+        if not self.engine_config.overlap_scheduling or self.speculator is not None:
             return False
         for item in plan.scheduled:
             req, index = self._seq_owner[item.seq.seq_id]
