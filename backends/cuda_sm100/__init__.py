@@ -31,8 +31,12 @@ class CudaSM100Backend(ReferenceBackend):
         graph_capture=True,
         dist_backend="nccl",
         decompressed_prefill=True,
+        side_stream=True,
     )
     DEFAULT_DEVICE = "cuda"
+    # DEEPINFER_SIDE_STREAM=0 turns the second stream off (shared experts fold into the routed GEMMs again):
+    # the A/B switch of benchmarks/e2e.py.
+    SIDE_STREAM_ENV = "DEEPINFER_SIDE_STREAM"
 
     def __init__(self, device=None, batch_invariant=None):
         if device is None:
@@ -45,10 +49,13 @@ class CudaSM100Backend(ReferenceBackend):
         caps = self.__dict__.get("_capabilities")
         if caps is None:
             import dataclasses
+            import os
 
             caps = type(self).CAPABILITIES
             if self.batch_invariant:
                 caps = dataclasses.replace(caps, decompressed_prefill=False)
+            if os.environ.get(self.SIDE_STREAM_ENV, "1") == "0":
+                caps = dataclasses.replace(caps, side_stream=False)
             self.__dict__["_capabilities"] = caps
         return caps
 
@@ -163,12 +170,40 @@ class CudaSM100Backend(ReferenceBackend):
             return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate, capacity)
         return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate)
 
-    def combine(self, dispatched, expert_out):
+    def combine(self, dispatched, expert_out, add=None):
         from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
         state = getattr(dispatched, "state", None)
         if isinstance(state, moe_comm.LocalState):
-            return moe_comm.combine(dispatched, expert_out)
+            return moe_comm.combine(dispatched, expert_out, add)
         if isinstance(state, ep_comm.EPState):
-            return ep_comm.combine(dispatched, expert_out)
-        return super().combine(dispatched, expert_out)
+            return ep_comm.combine(dispatched, expert_out, add)
+        return super().combine(dispatched, expert_out, add)
+
+    # --- a second stream for independent work (shared experts beside routing, the cache write beside the
+    # query's absorption), forked from and joined to the current stream: CUDA-graph capturable ----------------
+    def run_aside(self, fn):
+        import torch
+
+        from deepinfer.backend import Pending
+
+        if self.device.type != "cuda" or not self.capabilities.side_stream:
+            return Pending.ready(fn())
+        side = self.__dict__.get("_side_stream")
+        if side is None:
+            side = self.__dict__["_side_stream"] = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            result = fn()
+
+        def join():
+            main.wait_stream(side)
+            # Tensors made on the side stream and freed after use on this one: the allocator must not hand
+            # their memory to the side stream again before this stream's use is done.
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(main)
+            return result
+
+        return Pending(join)

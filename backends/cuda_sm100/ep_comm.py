@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from deepinfer.backend import Dispatched, Pending
 from deepinfer.backends.cuda_sm100 import moe_comm
-from deepinfer.backends.reference.comm import check_dispatch
+from deepinfer.backends.reference.comm import check_combine_add, check_dispatch
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 
@@ -180,11 +180,12 @@ def pack_fixed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     return send, send_row, sent
 
 
-def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+def combine(dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None) -> Pending[torch.Tensor]:
     state: EPState = dispatched.state
     rows = dispatched.hidden.shape[0]
     check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
+    check_combine_add(add, state.send_row.shape[0], expert_out.shape[1], expert_out.device)
     partial = moe_comm.weighted_gather(expert_out, state.local_row_of_pair, state.local_weights, state.out_dtype)
     returned = partial.new_empty(sum(state.send_splits), partial.shape[1])
     work = dist.all_to_all_single(returned, partial, state.send_splits, state.recv_splits, group=state.group, async_op=True)
-    return Pending(lambda: moe_comm.weighted_gather(returned, state.send_row, state.sent, state.out_dtype), (work,))
+    return Pending(lambda: moe_comm.weighted_gather(returned, state.send_row, state.sent, state.out_dtype, add), (work,))

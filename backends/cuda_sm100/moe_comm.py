@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.backend import Dispatched, Pending
-from deepinfer.backends.reference.comm import check_dispatch
+from deepinfer.backends.reference.comm import check_combine_add, check_dispatch
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.quant import cdiv
 
@@ -76,15 +76,18 @@ def _dispatch_small(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
     return rows, sizes, row_of_pair.reshape(t, k)
 
 
-def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+def combine(dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None) -> Pending[torch.Tensor]:
     state: LocalState = dispatched.state
     rows = dispatched.hidden.shape[0]
     check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
-    return Pending.ready(weighted_gather(expert_out, state.row_of_pair, state.topk_weights, state.out_dtype))
+    check_combine_add(add, state.row_of_pair.shape[0], expert_out.shape[1], expert_out.device)
+    return Pending.ready(weighted_gather(expert_out, state.row_of_pair, state.topk_weights, state.out_dtype, add))
 
 
-def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[row_of_pair[t, j]] (float32 sum; row -1 adds nothing) -> [T, H] out_dtype."""
+def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype,
+                    add: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[row_of_pair[t, j]] (+ add[t]) in a float32 sum (row -1 adds nothing)
+    -> [T, H] out_dtype."""
     from deepinfer.backends.cuda_sm100 import routing_kernels as RK
     from deepinfer.backends.cuda_sm100.gemm import cdiv, next_pow2
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
@@ -94,7 +97,10 @@ def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.T
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if t and h:
         y = y if y.stride(-1) == 1 else y.contiguous()
+        if add is not None and add.stride(-1) != 1:
+            add = add.contiguous()
         bh = min(1024, next_pow2(h))
-        RK.combine_kernel[(t, cdiv(h, bh))](y, row_of_pair, weights, out, h, y.stride(0), out.stride(0),
-                                            K=k, BH=bh, num_warps=4, **launch_kwargs())
+        RK.combine_kernel[(t, cdiv(h, bh))](y, row_of_pair, weights, out, out if add is None else add, h, y.stride(0),
+                                            out.stride(0), 0 if add is None else add.stride(0), K=k, BH=bh,
+                                            ADD=add is not None, num_warps=4, **launch_kwargs())
     return out

@@ -211,15 +211,19 @@ def sort_scatter_kernel(ids_ptr, base_ptr, slot_ptr, pair_ptr, P, E, cap, E_P: t
 
 
 @triton.jit
-def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BH: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    """out[t] = sum_j w[t, j] * y[row[t, j]] in float32, one program per (token, column block): the gather,
-    weighting and reduction of a local MoE combine in one launch. row < 0 (dropped pair) adds nothing."""
+def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_o, stride_a, K: tl.constexpr,
+                   BH: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t] = sum_j w[t, j] * y[row[t, j]] (+ add[t] with ADD) in float32, one program per (token, column
+    block): the gather, weighting and reduction of a local MoE combine in one launch, the shared experts'
+    output added in the same sum. row < 0 (dropped pair) adds nothing."""
     enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     m = cols < H
-    acc = tl.zeros([BH], dtype=tl.float32)
+    if ADD:
+        acc = tl.load(add_ptr + t.to(tl.int64) * stride_a + cols, mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(K):
         r = tl.load(row_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)

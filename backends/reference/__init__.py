@@ -67,8 +67,9 @@ class ReferenceBackend(Backend):
         # capacity is only an allowance: this backend always sizes its buffers from exchanged counts.
         return comm.dispatch(x, topk_ids, topk_weights, num_experts, group, validate)
 
-    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
-        return comm.combine(dispatched, expert_out)
+    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None
+                ) -> Pending[torch.Tensor]:
+        return comm.combine(dispatched, expert_out, add)
 
     def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
         return comm.all_reduce(x, group)

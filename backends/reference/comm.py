@@ -98,28 +98,37 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return Pending(finish, works)
 
 
-def _weighted_sum(state: _State, rows: torch.Tensor) -> torch.Tensor:
-    """rows [T*k, H] in dispatch's send order -> out[t] = sum_k w[t, k] * y[t, k], float32 math."""
+def check_combine_add(add: torch.Tensor | None, tokens: int, hidden: int, device: torch.device) -> None:
+    """combine's `add` (the shared experts' output) must be one [tokens, hidden] float row per token."""
+    if add is not None:
+        check_tensor("add", add, ndim=2, shape=(tokens, hidden), dtypes=FLOAT_DTYPES, device=device)
+
+
+def _weighted_sum(state: _State, rows: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+    """rows [T*k, H] in dispatch's send order -> out[t] = sum_k w[t, k] * y[t, k] (+ add[t]), float32 math."""
     t, k = state.topk_weights.shape
     y = torch.empty(t * k, rows.shape[1], dtype=torch.float32, device=rows.device)
     y.index_copy_(0, state.order, rows.float())
     out = (y.view(t, k, rows.shape[1]) * state.topk_weights.float()[..., None]).sum(1)
+    if add is not None:
+        out += add.float()
     return out.to(state.out_dtype)
 
 
-def combine(dispatched: Dispatched, expert_out: torch.Tensor) -> Pending[torch.Tensor]:
+def combine(dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None) -> Pending[torch.Tensor]:
     if not isinstance(dispatched, Dispatched) or not isinstance(dispatched.state, _State):
         raise InvalidInputError("combine needs the Dispatched returned by this backend's dispatch")
     state = dispatched.state
     rows = dispatched.hidden.shape[0]
     check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
+    check_combine_add(add, state.topk_weights.shape[0], expert_out.shape[1], expert_out.device)
     if state.recv_order is None:
-        return Pending.ready(_weighted_sum(state, expert_out))
+        return Pending.ready(_weighted_sum(state, expert_out, add))
     back = expert_out.new_empty(expert_out.shape)  # contiguous, as all_to_all_single needs
     back.index_copy_(0, state.recv_order, expert_out)  # undo the local sort: rows in received order
     returned = expert_out.new_empty((sum(state.send_splits), expert_out.shape[1]))
     work = dist.all_to_all_single(returned, back, state.send_splits, state.recv_splits, group=state.group, async_op=True)
-    return Pending(lambda: _weighted_sum(state, returned), (work,))
+    return Pending(lambda: _weighted_sum(state, returned, add), (work,))
 
 
 def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -29,9 +29,10 @@ def _expected(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_
     return (weights.cpu().double()[..., None] * per_choice).sum(1)
 
 
-def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local, capacity=None):
-    """dispatch -> each local expert's linear map via grouped_linear -> combine. With a capacity the
-    dispatched rows may end in padding past the group sizes (fixed-size buffers), which the GEMM skips."""
+def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local, capacity=None, add=None):
+    """dispatch -> each local expert's linear map via grouped_linear -> combine (plus `add`, as the shared
+    experts' output is). With a capacity the dispatched rows may end in padding past the group sizes
+    (fixed-size buffers), which the GEMM skips."""
     d = backend.dispatch(x, ids, weights, num_experts, capacity=capacity).wait()
     assert isinstance(d, Dispatched) and d.first_expert == first and d.group_sizes.shape == (local,)
     lw = LinearWeight.dense(expert_w[first : first + local].to(x.dtype))
@@ -39,7 +40,7 @@ def _run_moe(backend, x, ids, weights, expert_w, num_experts, first, local, capa
         y = backend.grouped_linear(d.hidden, lw, d.group_sizes, validate=False)
     else:
         y = backend.grouped_linear(d.hidden, lw, d.group_sizes)
-    return d, backend.combine(d, y).wait()
+    return d, backend.combine(d, y, add=add).wait()
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
@@ -57,7 +58,10 @@ def test_single_process_dispatch_combine(backend, gen, t, h, k, e, dtype):
     x = torch.randn(t, h, generator=gen).to(dtype)
     ids, weights = _routing(gen, t, k, range(e))
     expert_w = torch.randn(e, h, h, generator=gen) / h**0.5  # a different linear map per expert
-    d, out = _run_moe(backend, x.to(dev), ids.to(dev), weights.to(dev), expert_w.to(dev), e, 0, e)
+    add = torch.randn(t, h, generator=gen).to(dtype) if t % 2 else None  # a shared experts' output, some cases
+    d, out = _run_moe(backend, x.to(dev), ids.to(dev), weights.to(dev), expert_w.to(dev), e, 0, e,
+                      add=None if add is None else add.to(dev))
+    expected = _expected(x, ids, weights, expert_w) + (0 if add is None else add.double())
     assert d.hidden.shape == (t * k, h) and d.hidden.dtype == dtype
     assert d.group_sizes.dtype == torch.int64
     assert d.group_sizes.cpu().tolist() == torch.bincount(ids.flatten(), minlength=e).tolist()
@@ -70,9 +74,9 @@ def test_single_process_dispatch_combine(backend, gen, t, h, k, e, dtype):
         start += size
     assert out.dtype == dtype and out.device.type == dev.type
     if dtype == torch.float32:
-        _close(out, _expected(x, ids, weights, expert_w), 1e-5)
+        _close(out, expected, 1e-5)
     else:  # expert outputs are rounded to bf16 before the weighted sum, which may cancel
-        _close(out, _expected(x, ids, weights, expert_w), 2e-2)
+        _close(out, expected, 2e-2)
 
 
 def test_single_process_int32_ids_and_all_reduce(backend, gen):
@@ -110,6 +114,10 @@ def test_comm_rejects_bad_inputs(backend, gen):
         backend.combine(d, torch.randn(d.hidden.shape[0] + 1, 8).to(dev))
     with pytest.raises(InvalidInputError):
         backend.combine(d, d.hidden.long())
+    y = torch.randn(d.hidden.shape[0], 8).to(dev)
+    for add in (torch.randn(4, 8), torch.randn(5, 7), torch.randn(5, 8).long(), torch.randn(5)):  # 5 tokens, 8 wide
+        with pytest.raises(InvalidInputError):
+            backend.combine(d, y, add=add.to(dev))
 
 
 # --- two ranks ---------------------------------------------------------------------------------------
@@ -143,9 +151,9 @@ def _worker(rank: int, name: str, tmp: str) -> None:
             x, ids, weights = (t.to(dev) for t in case[rank])
             # Buffers sized from exchanged counts, then fixed ones of a capacity both ranks pass alike.
             capacity = max(len(c[0]) for c in case) + 1
-            for cap in (None, capacity):
+            for cap in (None, capacity):  # the fixed-capacity run also adds x, as a shared expert's output
                 d, out = _run_moe(backend, x, ids, weights, inputs["expert_w"].to(dev), E, rank * E // WORLD,
-                                  E // WORLD, cap)
+                                  E // WORLD, cap, add=None if cap is None else x)
                 results.append((d.group_sizes.cpu(), out.cpu()))
         # Every rank raises before communicating, so a bad expert count cannot hang the group.
         try:
@@ -195,10 +203,12 @@ def test_two_ranks_match_single_process(backend, gen, tmp_path):
             sizes, out = outs[r]["results"][i]
             assert sizes.tolist() == counts[r * E // WORLD : (r + 1) * E // WORLD].tolist(), (c, r)
             rtol = 1e-5 if CASES[c][3] == torch.float32 else 2e-2
-            _close(out, _expected(*case[r], expert_w), rtol)
+            add = case[r][0] if i % 2 else None
+            _close(out, _expected(*case[r], expert_w) + (0 if add is None else add.double()), rtol)
             # And the same as this backend in a single process with all experts.
             x, ids, weights = (t.to(dev) for t in case[r])
-            _, single = _run_moe(backend, x, ids, weights, expert_w.to(dev), E, 0, E)
+            _, single = _run_moe(backend, x, ids, weights, expert_w.to(dev), E, 0, E,
+                                 add=None if add is None else add.to(dev))
             _close(out, single, rtol)
     for r in range(WORLD):
         assert outs[r]["bad_count"] == "rejected"

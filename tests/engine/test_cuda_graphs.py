@@ -234,3 +234,46 @@ def test_an_eager_step_never_waits_for_the_device(checkpoint, gen, precision):
             runner.execute(batch, ids, rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not GPU or not CUDA_USABLE, reason="needs a CUDA GPU")
+def test_run_aside_orders_work_across_streams(gen):
+    """Work run aside reads what this stream wrote before the fork, and this stream reads its result only after
+    the join, eagerly and replayed from a captured graph. A chain of matmuls before the fork makes a missing fork
+    read unfinished values; the main stream's own work between fork and join, a missing join."""
+    backend = load_backend("cuda_sm100")
+    assert backend.capabilities.side_stream
+    dev = backend.device
+    n = 2048
+    a = (torch.randn(n, n, generator=gen) / n**0.5).to(dev)
+    x = torch.randn(n, n, generator=gen).to(dev)
+
+    def chain():
+        y = x
+        for _ in range(8):
+            y = a @ y
+        return y
+
+    def step():
+        y = chain()
+        aside = backend.run_aside(lambda: (y * 2) @ a)
+        z = y + 1
+        return aside.wait() + z
+
+    def want():
+        y = chain()
+        return (y * 2) @ a + (y + 1)
+
+    torch.testing.assert_close(step(), want(), rtol=1e-4, atol=1e-4)
+    warm = torch.cuda.Stream(dev)
+    warm.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream(dev).wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(n, n, generator=gen).to(dev))
+        graph.replay()
+        torch.testing.assert_close(out, want(), rtol=1e-4, atol=1e-4)
