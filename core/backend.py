@@ -41,10 +41,6 @@ class Capabilities:
     # Steps of long prompt chunks run MLA decompressed (keys and values rebuilt from the latent cache, then
     # dense attention) where that beats the absorbed kernel; see deepinfer.model.mla.
     decompressed_prefill: bool = False
-    # run_aside overlaps work on a second stream. A single-process MoE layer then keeps its shared experts
-    # apart and runs them aside at small steps, streaming their weights while the latency-bound router and
-    # dispatch run, instead of folding them into the routed grouped GEMMs (deepinfer.model.moe).
-    side_stream: bool = False
 
     def describe(self) -> str:
         return (
@@ -202,13 +198,6 @@ class Backend(ABC):
     @abstractmethod
     def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Sum x over the ranks of `group` in place (identity in a single process) and return it."""
-
-    # --- concurrency ----------------------------------------------------------------------------
-    def run_aside(self, fn: Callable[[], T]) -> Pending[T]:
-        """Start fn() where it may overlap the work launched after this call (a second stream, on backends
-        advertising `side_stream`; CUDA-graph capturable there). wait() orders the work launched after it
-        behind fn's and returns fn's result. By default fn runs here, at once."""
-        return Pending.ready(fn())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device})"

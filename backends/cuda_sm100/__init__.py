@@ -31,12 +31,8 @@ class CudaSM100Backend(ReferenceBackend):
         graph_capture=True,
         dist_backend="nccl",
         decompressed_prefill=True,
-        side_stream=True,
     )
     DEFAULT_DEVICE = "cuda"
-    # DEEPINFER_SIDE_STREAM=0 turns the second stream off (shared experts fold into the routed GEMMs again):
-    # the A/B switch of benchmarks/e2e.py.
-    SIDE_STREAM_ENV = "DEEPINFER_SIDE_STREAM"
 
     def __init__(self, device=None, batch_invariant=None):
         if device is None:
@@ -49,13 +45,10 @@ class CudaSM100Backend(ReferenceBackend):
         caps = self.__dict__.get("_capabilities")
         if caps is None:
             import dataclasses
-            import os
 
             caps = type(self).CAPABILITIES
             if self.batch_invariant:
                 caps = dataclasses.replace(caps, decompressed_prefill=False)
-            if os.environ.get(self.SIDE_STREAM_ENV, "1") == "0":
-                caps = dataclasses.replace(caps, side_stream=False)
             self.__dict__["_capabilities"] = caps
         return caps
 
@@ -179,31 +172,3 @@ class CudaSM100Backend(ReferenceBackend):
         if isinstance(state, ep_comm.EPState):
             return ep_comm.combine(dispatched, expert_out, add)
         return super().combine(dispatched, expert_out, add)
-
-    # --- a second stream for independent work (shared experts beside routing, the cache write beside the
-    # query's absorption), forked from and joined to the current stream: CUDA-graph capturable ----------------
-    def run_aside(self, fn):
-        import torch
-
-        from deepinfer.backend import Pending
-
-        if self.device.type != "cuda" or not self.capabilities.side_stream:
-            return Pending.ready(fn())
-        side = self.__dict__.get("_side_stream")
-        if side is None:
-            side = self.__dict__["_side_stream"] = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            result = fn()
-
-        def join():
-            main.wait_stream(side)
-            # Tensors made on the side stream and freed after use on this one: the allocator must not hand
-            # their memory to the side stream again before this stream's use is done.
-            for t in result if isinstance(result, (tuple, list)) else (result,):
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(main)
-            return result
-
-        return Pending(join)

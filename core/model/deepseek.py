@@ -64,11 +64,9 @@ class DecoderLayer:
         if config.n_shared_experts:
             sw = _sub(w, "shared_experts")
             # In one process the shared MLP joins the routed grouped GEMMs as extra experts every token takes
-            # (two GEMM launches per layer instead of four), unless the backend runs it aside on a second
-            # stream (see deepinfer.model.moe). Expert parallelism keeps it apart: it runs on every rank,
-            # overlapping the all-to-all.
-            keep_apart = placement is not None or backend.capabilities.side_stream
-            pieces = None if keep_apart else split_into_experts(
+            # (two GEMM launches per layer instead of four, and no separate add). Expert parallelism keeps it
+            # apart: it runs on every rank, overlapping the all-to-all.
+            pieces = None if placement is not None else split_into_experts(
                 sw["gate_proj"], sw["up_proj"], sw["down_proj"], like=per_expert["gate_proj"][0])
             if pieces is None:
                 shared = cls._build_mlp(backend, sw)

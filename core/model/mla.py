@@ -97,15 +97,11 @@ class MLAttention:
                                                  self.cos_sin_cache, self.rope_interleaved, validate=False)
 
         cache = ctx.kv_caches[layer]
-        # The cache write and the query's absorption are independent: the write goes aside (on a second stream
-        # where the backend has one) and is joined before attention reads the cache.
-        written = be.run_aside(lambda: be.write_cache(ctx.plan, cache, c_kv, k_pe))
+        be.write_cache(ctx.plan, cache, c_kv, k_pe)
         if self.decompress_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
-            written.wait()
             out = self._decompressed(ctx, cache, q_nope, q_pe)
             return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
         q_latent = self._per_head(q_nope, self.w_uk_t)
-        written.wait()
         out_latent = be.run_attention(ctx.plan, cache, q_latent, q_pe, self.softmax_scale)
         out = self._per_head(out_latent, self.w_uv)
         return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)

@@ -5,17 +5,12 @@ an `ExpertPlacement`: it holds only this rank's physical slots (replicas are cop
 logical expert to one of its physical slots and dispatches on slot ids over the EP group. The layer never
 asks which rank or device it is on: the placement and the group say all it needs.
 
-In one process, on a backend without a second stream, the shared experts are folded into the routed ones (see
-DecoderLayer._build_moe): the stacked experts then end with `folded_shared` shared slices, which the gate appends
-to every token's choices with weight 1.0, so one grouped GEMM pair and the combine's weighted sum do the work of
-the separate shared MLP and its add (6 launches per layer instead of 16 at one bf16 token on cuda_sm100). Past
-FOLD_MAX_TOKENS the GEMMs are compute-bound and launches no longer matter: the slices then run as plain GEMMs
-on all tokens (cuBLAS for bf16), as the separate MLP did, without gathering every token once per slice.
-
-A backend with a second stream (capabilities.side_stream) keeps the shared MLP apart and, up to the same
-FOLD_MAX_TOKENS, runs it aside from the start of the layer: its launches then cost no time of their own, and
-its weights stream while the router and dispatch, which are latency-bound at decode sizes, leave the memory
-bandwidth idle. The combine adds its output in the routed sum either way.
+In one process the shared experts are usually folded into the routed ones (see DecoderLayer._build_moe): the
+stacked experts then end with `folded_shared` shared slices, which the gate appends to every token's choices
+with weight 1.0, so one grouped GEMM pair and the combine's weighted sum do the work of the separate shared
+MLP and its add (6 launches per layer instead of 16 at one bf16 token on cuda_sm100). Past FOLD_MAX_TOKENS
+the GEMMs are compute-bound and launches no longer matter: the slices then run as plain GEMMs on all tokens
+(cuBLAS for bf16), as the separate MLP did, without gathering every token once per slice.
 """
 
 from __future__ import annotations
@@ -32,8 +27,8 @@ from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.ops import RoutingSpec
 from deepinfer.weights import LinearWeight
 
-# Tokens up to which a folded layer runs its shared slices inside the routed grouped GEMMs, or a layer on a
-# backend with a second stream runs its shared MLP aside.
+# Tokens up to which a folded layer runs its shared slices inside the routed grouped GEMMs (to be tuned on the
+# device: the grouped GEMM against cuBLAS on the shared share of the FLOPs, against the launches saved).
 FOLD_MAX_TOKENS = 512
 
 
@@ -97,13 +92,7 @@ class MoE:
     def forward(self, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """capacity: under expert parallelism, the token bound every rank's dispatch passes alike."""
         be = self.backend
-        small = x.shape[0] <= self.fold_max_tokens
-        fold = self.folded_shared if small else 0
-        # Shared experts need no routing. At small steps on a backend with a second stream they start first,
-        # aside: their weights stream while the latency-bound gate and dispatch run.
-        aside = None
-        if small and self.shared_experts is not None and self.placement is None and be.capabilities.side_stream:
-            aside = be.run_aside(lambda: self.shared_experts.forward(x))
+        fold = self.folded_shared if x.shape[0] <= self.fold_max_tokens else 0
         weights, ids = self._route(x, fold)
         if self.load_hook is not None:
             self.load_hook(ids[:, : self.routing.top_k] if fold else ids)
@@ -114,14 +103,12 @@ class MoE:
         else:
             pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group,
                                   validate=False, capacity=capacity)
-        # Otherwise they run while the dispatch is in flight (its all-to-all under expert parallelism).
+        # Shared experts need no routed tokens: compute them while the dispatch is in flight.
         shared = None
-        if self.shared_experts is not None and aside is None:
+        if self.shared_experts is not None:
             shared = self.shared_experts.forward(x)
         elif self.folded_shared and not fold:
             shared = self._shared_apart(x)
         dispatched = pending.wait()
         expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes)
-        if aside is not None:
-            shared = aside.wait()
-        return be.combine(dispatched, expert_out, add=shared).wait()
+        return be.combine(dispatched, expert_out, add=shared).wait()  # the shared output joins the routed sum

@@ -1,5 +1,4 @@
-"""Shared experts folded into the routed grouped GEMM (one process), or run aside (a backend with a second
-stream), against the separate shared MLP.
+"""Shared experts folded into the routed grouped GEMM (one process) against the separate shared MLP.
 
 A shared MLP of intermediate size S * I is S experts of size I that every token takes with weight 1.0 (the
 routed_scaling_factor scales routed experts only): the folded layer must give the separate layer's output up
@@ -8,7 +7,6 @@ to float rounding, in every weight format where the split is exact, and keep the
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -53,21 +51,12 @@ def _config(spec: RoutingSpec, shared: int):
     return SimpleNamespace(n_routed_experts=spec.num_experts, n_shared_experts=shared, routing_spec=lambda: spec)
 
 
-def _side_stream(backend, on: bool):
-    """The same backend class with capabilities.side_stream forced on or off: the layer then folds its shared
-    experts (off) or keeps them apart and runs them aside (on; inline where there is no second stream)."""
-    caps = dataclasses.replace(backend.capabilities, side_stream=on)
-    cls = type(backend)
-    return type(f"{cls.__name__}SideStream{on}", (cls,), {"capabilities": property(lambda self: caps)})(backend.device)
-
-
 def _separate(backend, spec: RoutingSpec, w: dict, x: torch.Tensor) -> torch.Tensor:
-    """The routed-only layer plus the shared MLP on its own, summed in float32 (no fold, no aside)."""
-    plain = _side_stream(backend, False)
+    """The routed-only layer plus the shared MLP on its own, summed in float32 (no fold, no combine add)."""
     stacked = {p: stack_experts([w[f"experts.{e}.{p}"] for e in range(spec.num_experts)]) for p in PROJ}
-    routed = MoE(plain, spec, w["gate"], w.get("gate.e_score_correction_bias"), GatedMLP(plain, *(stacked[p] for p in PROJ)),
-                 None)
-    shared = GatedMLP(plain, *(w[f"shared_experts.{p}"] for p in PROJ))
+    routed = MoE(backend, spec, w["gate"], w.get("gate.e_score_correction_bias"),
+                 GatedMLP(backend, *(stacked[p] for p in PROJ)), None)
+    shared = GatedMLP(backend, *(w[f"shared_experts.{p}"] for p in PROJ))
     return routed.forward(x).float() + shared.forward(x).float()
 
 
@@ -89,25 +78,19 @@ CASES = [("dense", torch.float32, 16, 1e-5), ("dense", torch.bfloat16, 24, 2e-2)
 @pytest.mark.parametrize("fmt,dtype,inter,rtol", CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("spec,shared", [(V3_GATE, 1), (V2_GATE, 2)], ids=["v3-1shared", "v2-2shared"])
 @pytest.mark.parametrize("tokens", [1, 9])
-@pytest.mark.parametrize("apart", [False, True], ids=["small-step", "past-fold-max-tokens"])
-@pytest.mark.parametrize("side_stream", [False, True], ids=["folded", "aside"])
-def test_shared_experts_match_separate(backend, gen, fmt, dtype, inter, rtol, spec, shared, tokens, apart, side_stream):
+@pytest.mark.parametrize("apart", [False, True], ids=["in-grouped-gemm", "past-fold-max-tokens"])
+def test_folded_shared_experts_match_separate(backend, gen, fmt, dtype, inter, rtol, spec, shared, tokens, apart):
     dev = backend.device
     h = 256 if fmt == "fp8_block" else 48
     w = _moe_weights(gen, spec, shared, h, inter, fmt, dtype, dev)
-    layer = DecoderLayer._build_moe(_side_stream(backend, side_stream), _config(spec, shared), w)
-    if side_stream:  # kept apart: run aside at small steps, after the dispatch past them; added by the combine
-        assert layer.folded_shared == 0 and layer.shared_experts is not None
-        assert layer.experts.down.num_groups == spec.num_experts
-    else:
-        assert layer.folded_shared == shared and layer.shared_experts is None
-        assert layer.experts.down.num_groups == spec.num_experts + shared
-    if apart:  # large batches: folded slices run as plain GEMMs over views of the stacked weights
-        layer.fold_max_tokens = tokens - 1
-        if not side_stream:
-            assert layer._shared_slices[-1].down.data.data_ptr() == layer.experts.down.data[-1].data_ptr()
+    folded = DecoderLayer._build_moe(backend, _config(spec, shared), w)
+    assert folded.folded_shared == shared and folded.shared_experts is None
+    assert folded.experts.down.num_groups == spec.num_experts + shared
+    if apart:  # large batches: the slices run as plain GEMMs over views of the stacked weights
+        folded.fold_max_tokens = tokens - 1
+        assert folded._shared_slices[-1].down.data.data_ptr() == folded.experts.down.data[-1].data_ptr()
     x = torch.randn(tokens, h, generator=gen).to(dtype).to(dev)
-    _close(layer.forward(x), _separate(backend, spec, w, x), rtol)
+    _close(folded.forward(x), _separate(backend, spec, w, x), rtol)
 
 
 def test_folded_routes_and_load_hook(backend, gen):
@@ -115,7 +98,7 @@ def test_folded_routes_and_load_hook(backend, gen):
     dev = backend.device
     spec, shared = V3_GATE, 2
     w = _moe_weights(gen, spec, shared, 32, 16, "dense", torch.float32, dev)
-    moe = DecoderLayer._build_moe(_side_stream(backend, False), _config(spec, shared), w)
+    moe = DecoderLayer._build_moe(backend, _config(spec, shared), w)
     seen = []
     moe.load_hook = seen.append
     x = torch.randn(5, 32, generator=gen).to(dev)
