@@ -65,6 +65,8 @@ def candidates(rows: int, bk: int, fused: bool, fp8_out: bool) -> list[G.TileCon
     for bn in ((128,) if fp8_out else (32, 64, 128)):
         for stages in (4, 6):
             out.append(G.TileConfig(16, bn, bk, 4, stages))
+            if bn >= 64:  # TMA-fed: the copies leave the registers and load units free to keep more in flight
+                out.append(G.TileConfig(16, bn, bk, 4, stages, tma=True))
     if bk == 128:  # FP8 16x128 with 4 warps spills on sm_90 (fused: 560 bytes of stack); 8 warps do not
         out.append(G.TileConfig(16, 128, bk, 8, 4))
     if rows > 16:
