@@ -220,14 +220,19 @@ class ExpertParallelEngine:
     def _after_rebalance(self, event: RebalanceEvent | None) -> None:
         """Experts moved in place (weights and routing tables kept their addresses) leave the decode graphs
         valid. Otherwise (a switch from or to the identity map) they point at the old placement: captured
-        again, collectively (every rank rebalances at the same step)."""
-        graphs = self.engine.runner.graphs
-        if event is None or event.in_place or graphs is None:
+        again, collectively (every rank rebalances at the same step). Either way what the rebalance left alive
+        joins the frozen heap (if the process froze it): without that, full collections after an in-place
+        rebalance stalled EP steps by 80-100 ms on 2 H200s, several per 64-step window (ep_e2e.py)."""
+        if event is None:
             return
-        graphs.release()
-        graphs.capture()
+        graphs = self.engine.runner.graphs
+        recapture = not event.in_place and graphs is not None
+        if recapture:
+            graphs.release()
+            graphs.capture()
         refreeze()
-        self.balancer.recorder.discard_current()
+        if recapture:
+            self.balancer.recorder.discard_current()
 
     def run_until_done(self) -> dict[str, RequestOutput]:
         """Step until no rank has work; this rank's finished outputs by request id."""
