@@ -221,8 +221,8 @@ class ExpertParallelEngine:
         """Experts moved in place (weights and routing tables kept their addresses) leave the decode graphs
         valid. Otherwise (a switch from or to the identity map) they point at the old placement: captured
         again, collectively (every rank rebalances at the same step). Either way what the rebalance left alive
-        joins the frozen heap (if the process froze it): without that, full collections after an in-place
-        rebalance stalled EP steps by 80-100 ms on 2 H200s, several per 64-step window (ep_e2e.py)."""
+        joins the frozen heap (if the process froze it): on 2 H200s (ep_e2e.py) the 64 steps after an in-place
+        rebalance had 99 ms of collections and an 83 ms step without it, 27.5 ms and a 16 ms step with it."""
         if event is None:
             return
         graphs = self.engine.runner.graphs
