@@ -204,6 +204,9 @@ def run_batch(run: Solo, args, tag: str, windows: int = 1, between=None, profile
             for _ in range(2):  # warm again after the window, outside the profile
                 run.step()
             out["windows"][-1]["profile"] = profile_steps(run, args.profile_steps)
+            # The profiler's events hold reference cycles that only a full collection frees: collect them here,
+            # or the next timed window pays for it (66-99 ms steps on 2 H200s, 88-142 ms of GC per window).
+            gc.collect()
     for rid in ids:
         engine.abort(rid)
     run.drain()
