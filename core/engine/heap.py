@@ -2,8 +2,8 @@
 
 A full (oldest-generation) collection walks every tracked object: after start-up that is the model's modules,
 the captured decode graphs' bookkeeping and whatever loading left behind. It cost ~100 ms every ~100 decode
-steps at 256 sequences (benchmarks/host_overhead.py --gc-freeze), and one such collection stalled an EP decode
-step by 350 ms on 2 H200s (benchmarks/ep_e2e.py, after an EPLB rebalance captured graphs again).
+steps at 256 sequences (benchmarks/host_overhead.py --gc-freeze). (A 350 ms EP step seen after an EPLB
+rebalance on 2 H200s was later traced to benchmarks/ep_e2e.py's own profiler garbage, not to the engine.)
 `gc.freeze()` moves every object alive now into a permanent generation that collections skip, as vLLM's
 engine process does after start-up. Reference counting still frees those objects; only garbage cycles among
 them are never reclaimed, so this is for processes that serve one engine (the server and its EP ranks,
