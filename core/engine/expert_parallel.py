@@ -153,6 +153,7 @@ class ExpertParallelEngine:
         self.steps = 0
         engine.idle_forward = self.idle_forward
         engine.runner.agree = self.agree
+        engine.fail_step_on_oom = False  # step() turns the forward's error into RankFailedError
 
     def close(self) -> None:
         """Release the decode graphs (captured NCCL kernels on the group's communicator): call before

@@ -106,6 +106,9 @@ class LLMEngine:
         # Expert parallelism (deepinfer.engine.expert_parallel) sets this hook: a rank that schedules nothing
         # in a step must still enter the step's MoE collectives, with a forward of no tokens.
         self.idle_forward: Callable[[], None] | None = None
+        # A forward out of device memory fails only its step's requests (_fail_step). Expert parallelism turns
+        # this off: the other ranks wait in that forward's MoE collectives, so the whole group must fail.
+        self.fail_step_on_oom = True
         self._inflight: InFlightStep | None = None  # overlapped scheduling: the step whose tokens are on the way
 
     # --- construction -----------------------------------------------------------------------------
@@ -242,8 +245,8 @@ class LLMEngine:
                 return outputs
             return outputs + self._run(plan)
         except _ForwardOutOfMemory as oom:
-            if self.engine_config.expert_parallel_size > 1:
-                raise  # the other ranks wait in this forward's MoE collectives: the group fails (expert_parallel)
+            if not self.fail_step_on_oom:
+                raise
             return (self._resolve(pending) if outputs is None else outputs) + self._fail_step(plan, oom)
 
     def _execute(self, layout: _StepLayout, capture: tuple[int, ...] = (), pending: InFlightStep | None = None):
