@@ -110,10 +110,8 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     stages = 5 if fp8 else 4
     decode = rows <= (DECODE_GROUP_ROWS if layout != 0 else DECODE_ROWS)
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
-        if decode:  # FP8: 128 columns, one quantisation group, and 8 warps: with 4 the tile spills on sm_90 (560
-            # bytes of stack, 928 when it also quantises its activations; none with 8), and measured the same
-            # (H200, gemm_decode.py --sweep: batch 1 20.9 vs 20.8 us, batch 32 104.1 vs 105.1)
-            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=bk, warps=8 if fp8 else 4, stages=4)
+        if decode:  # FP8: 128 columns, one quantisation group
+            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=bk, warps=4, stages=4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
     if decode and layout != 0 and (fp8 or rows <= 2):  # bf16 at ~4 rows: 64-row TMA tiles measured faster
         return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=4 if fp8 else 6)
@@ -216,15 +214,14 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     b_kind = _b_kind(weight)
     k = weight.in_features
     a_fp8 = a.dtype == quant.FP8_DTYPE
-    quant_a = b_kind == 1 and not a_fp8  # float activations of an fp8 weight: the kernel quantises them
     w = weight.data if weight.data.dim() == 3 else weight.data.unsqueeze(0)
     sc = weight.scale
     if sc is not None and sc.dim() == w.dim() - 1:
         sc = sc.unsqueeze(0)
     bg = weight.global_scale if weight.global_scale is not None else w  # any pointer when unused
     quant_out = out.dtype == quant.FP8_DTYPE
-    compute = _compute_dtype(a.dtype, weight) if not (a_fp8 or quant_a) else torch.float32
-    ieee = compute == torch.float32 and not (a_fp8 or quant_a)
+    compute = _compute_dtype(a.dtype, weight) if not a_fp8 else torch.float32
+    ieee = compute == torch.float32 and not a_fp8
     if invariant:  # batch-invariant mode: one tile shape whatever M is, no split-K: a row's sums run in a fixed order
         rows_hint = 64
     cfg = cfg or pick_config(rows_hint, n, k, b_kind, layout if not invariant else 1, a.device, fused, ieee)
@@ -277,21 +274,12 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     return out
 
 
-def quantizes_in_kernel(rows_hint: int, layout: int) -> bool:
-    """Whether an FP8 GEMM of this size quantises its float activations inside the tile kernel rather than in
-    a launch of its own: at decode sizes (the 16-row tiles), where each CTA re-quantises only a few rows and the
-    saved launch is a step's fixed cost (three per layer at batch 1); past them every N tile would redo it."""
-    return rows_hint <= (DECODE_GROUP_ROWS if layout != 0 else DECODE_ROWS)
-
-
-def _prepare_a(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None, in_kernel: bool = False):
-    """Activations as the kernel reads them: quantised for FP8 weights (unless already, or `in_kernel`: the
-    tile kernel quantises them), else as they are."""
+def _prepare_a(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None):
+    """Activations as the kernel reads them: quantised for FP8 weights (unless already), else as they are."""
     if weight.format is WeightFormat.FP8_BLOCK:
         if x.dtype == quant.FP8_DTYPE:
             return x, x_scale
-        if not in_kernel:
-            return quantize_fp8(x, column_major_scales=True)
+        return quantize_fp8(x, column_major_scales=True)
     if x.stride(-1) != 1:
         x = x.contiguous()
     return x, None
@@ -326,7 +314,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
         return out.reshape(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        a, a_scale = _prepare_a(x2, weight, None, quantizes_in_kernel(m, 0))
+        a, a_scale = _prepare_a(x2, weight, None)
         _launch(a, a_scale, weight, out, layout=0, sizes=None, m=m, groups=1, cap=0, n=n, rows_hint=m, cfg=cfg,
                 invariant=batch_invariant)
     return out.reshape(*x.shape[:-1], n)
@@ -357,7 +345,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Ten
     m, n = x.shape[0], weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (x.dtype if x.dtype != quant.FP8_DTYPE else torch.bfloat16), device=x.device)
     if m:
-        a, a_scale = _prepare_a(x, weight, x_scale, quantizes_in_kernel(rows_per_group(m, weight.num_groups), 1))
+        a, a_scale = _prepare_a(x, weight, x_scale)
         _launch(a, a_scale, weight, out, layout=1, sizes=group_sizes, m=m, groups=weight.num_groups, cap=0, n=n,
                 rows_hint=rows_per_group(m, weight.num_groups), cfg=cfg, invariant=batch_invariant)
     return out
@@ -378,8 +366,7 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
     out = torch.empty(groups, cap, n, dtype=out_dtype or (x.dtype if x.dtype != quant.FP8_DTYPE else torch.bfloat16), device=x.device)
     if cap:
         flat = x.reshape(groups * cap, x.shape[2])
-        a, a_scale = _prepare_a(flat, weight, None if x_scale is None else x_scale.reshape(groups * cap, -1),
-                                quantizes_in_kernel(cap, 2))
+        a, a_scale = _prepare_a(flat, weight, None if x_scale is None else x_scale.reshape(groups * cap, -1))
         _launch(a, a_scale, weight, out.view(groups * cap, n), layout=2, sizes=counts, m=groups * cap, groups=groups,
                 cap=cap, n=n, rows_hint=cap, cfg=cfg)
     return out
@@ -430,9 +417,9 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
     else:
         out, out_scale = torch.empty(m, inter, dtype=x.dtype, device=x.device), None
     if m:
+        a, a_scale = _prepare_a(flat, gate_up, None)
         rows_hint = cap if layout == 2 else rows_per_group(m, groups)
-        a, a_scale = _prepare_a(flat, gate_up, None, quantizes_in_kernel(rows_hint, layout))
-        ieee = gate_up.format is not WeightFormat.FP8_BLOCK and _compute_dtype(a.dtype, gate_up) == torch.float32
+        ieee = not a.dtype == quant.FP8_DTYPE and _compute_dtype(a.dtype, gate_up) == torch.float32
         cfg = cfg or pick_config(rows_hint, inter, gate_up.in_features, _b_kind(gate_up), layout, x.device, fused=True,
                                  ieee=ieee)
         if quantize and cfg.bn != BLOCK:

@@ -3,8 +3,7 @@ grouped over experts (contiguous and masked layouts), and the per-token-group ac
 
 One tile kernel covers every variant through constexpr switches, so the numerics of the K loop (per-128
 promotion of FP8 partial products) are written once:
-  A_FP8   activations are e4m3 with fp32 scales per token per 128 channels (else float: cast in-kernel, or
-          with fp8 weights quantised in-kernel per 128-wide group, as quant_fp8_kernel does, at decode sizes)
+  A_FP8   activations are e4m3 with fp32 scales per token per 128 channels (else float, cast in-kernel)
   B_KIND  0 dense float, 1 fp8 128x128 blocks, 2 nvfp4 (dequantised in registers, weight-only)
   LAYOUT  0 one matrix, 1 contiguous rows sorted by group (sizes on the device, no host sync),
           2 masked: A is [G, cap, K] with a row count per group (decode under CUDA graphs)
@@ -209,7 +208,7 @@ def gemm_kernel(
             a = tl.load(a_rows + (k0 + offs_k)[None, :])
         else:
             a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=kmask[None, :], other=0.0)
-        if not A_FP8 and B_KIND != 1:
+        if not A_FP8:
             a = a.to(COMPUTE)
         # ---- B tile(s) [BN, BK]
         if B_KIND == 2:
@@ -246,13 +245,7 @@ def gemm_kernel(
         if B_KIND == 1:
             # DeepSeek-V3 promotion: each 128-wide K block's partial product is scaled (token-group scale x
             # weight block scale) and summed in float32 registers.
-            if A_FP8:
-                a_s = tl.load(as_rows + kb * stride_ask)
-            else:
-                # Float activations (decode sizes): each token's 128-wide group quantised here with
-                # quant_fp8_kernel's own function, so the values are the same and the launch is saved.
-                a_q, a_s = _quantize_rows(a.to(tl.float32), kmask[None, :])
-                a = a_q.to(tl.float8e4nv)
+            a_s = tl.load(as_rows + kb * stride_ask)
             part = tl.dot(a, tl.trans(b), max_num_imprecise_acc=IMPRECISE)
             if SCALAR_BS:  # the tile lies in one 128-row weight block: one scale, one FMA per element
                 acc += part * (a_s * tl.load(bs_tile + kb * stride_bsk))[:, None]

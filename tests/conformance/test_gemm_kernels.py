@@ -93,41 +93,6 @@ def test_masked_layout_accepts_prequantised_input(cuda_backend, gen, gemm):
         assert _rel_err(out[g, :c], want[g, :c]) < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("entry", ["linear", "contiguous", "masked"])
-def test_decode_sizes_quantise_activations_in_the_gemm(cuda_backend, gen, dtype, entry, gemm):
-    """At decode sizes an FP8 GEMM quantises its float activations inside the tile kernel (no quantiser launch):
-    the same e4m3 values and scales as the quantiser's, so the same result as on pre-quantised input, bit for
-    bit; past those sizes the quantiser runs first, as before. 328: a partial last 128-wide group."""
-    dev = cuda_backend.device
-    k, n = 328, 136
-    if entry == "linear":
-        lw = _weight(gen, (n, k), "fp8_block", dev)
-        for m in (1, 7, 16):
-            assert gemm.quantizes_in_kernel(m, 0)
-            x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(dev)
-            q, s = gemm.quantize_fp8(x, column_major_scales=True)
-            assert torch.equal(gemm.linear(x, lw), gemm.fp8_gemm(q, s, lw, out_dtype=dtype))
-        assert not gemm.quantizes_in_kernel(17, 0)
-        return
-    lw = _weight(gen, (4, n, k), "fp8_block", dev)
-    counts = torch.tensor([3, 0, 7, 1], device=dev)
-    if entry == "contiguous":
-        x = (torch.randn(11, k, generator=gen) * 3).to(dtype).to(dev)  # 11 rows over 4 groups: decode-sized
-        assert gemm.quantizes_in_kernel(gemm.rows_per_group(11, 4), 1)
-        q, s = gemm.quantize_fp8(x)
-        got, want = gemm.grouped_linear(x, lw, counts), gemm.grouped_linear(q, lw, counts, x_scale=s, out_dtype=dtype)
-        assert torch.equal(got, want)
-        return
-    x = (torch.randn(4, 8, k, generator=gen) * 3).to(dtype).to(dev)
-    assert gemm.quantizes_in_kernel(8, 2)
-    q, s = gemm.quantize_fp8(x.reshape(32, k))
-    got = gemm.grouped_linear_masked(x, lw, counts)
-    want = gemm.grouped_linear_masked(q.reshape(4, 8, k), lw, counts, x_scale=s.reshape(4, 8, -1), out_dtype=dtype)
-    for g, c in enumerate(counts.tolist()):
-        assert torch.equal(got[g, :c], want[g, :c])
-
-
 def _reference_gate_up(x, lw, sizes):
     """silu_and_mul(grouped_linear(x, gate_up)) in x's dtype, on the CPU reference."""
     w = lw.to(torch.device("cpu"))
