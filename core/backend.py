@@ -147,6 +147,18 @@ class Backend(ABC):
         q_nope's dtype (W_UV not applied), and with return_lse the log-sum-exp [T, H] in float32.
         """
 
+    def rope_norm_and_write_cache(self, plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                                  kv_norm_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                                  interleaved: bool, *, validate: bool = True) -> torch.Tensor:
+        """MLA's cache update with its ropes, at the plan's positions: c_kv = RMSNorm(kv[:, :R]) and the roped
+        k_pe = kv[:, R:] stored as write_cache stores them, and q_pe [T, H, rope] roped (returned). By default
+        ops.mla_rope_and_norm, then write_cache; a backend may do both in one launch. validate=False skips
+        the positions' range check (a read-back) for callers that checked them on the host."""
+        q_pe, c_kv, k_pe = self.ops.mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, plan.positions, cos_sin_cache,
+                                                      interleaved, validate=validate)
+        self.write_cache(plan, cache, c_kv, k_pe)
+        return q_pe
+
     # --- GEMM -----------------------------------------------------------------------------------
     @abstractmethod
     def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:

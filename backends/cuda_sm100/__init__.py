@@ -107,6 +107,20 @@ class CudaSM100Backend(ReferenceBackend):
         return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse,
                                        getattr(self, "batch_invariant", False))
 
+    def rope_norm_and_write_cache(self, plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache, interleaved, *,
+                                  validate=True):
+        # One launch (the "fused cache write, rope applied"): mla_rope_and_norm's kernel, then the cache write
+        # from the rows it just stored.
+        if self._triton_runs_here() and self.ops.mla_rope_and_norm_in_one_launch(
+                q_pe, kv, kv_norm_weight, plan.positions, cos_sin_cache, validate):
+            from deepinfer.backends.cuda_sm100 import attention
+
+            q_out = attention.rope_norm_and_write(plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache, interleaved)
+            if q_out is not None:
+                return q_out
+        return super().rope_norm_and_write_cache(plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache,
+                                                 interleaved, validate=validate)
+
     # --- GEMM and fused ops: Triton kernels in gemm.py / fused_ops.py, imported on first use -------------
     def _triton_runs_here(self) -> bool:
         return self.device.type == "cuda" or triton_interpreter_requested()

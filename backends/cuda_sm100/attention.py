@@ -331,6 +331,36 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     )
 
 
+_VIEW_ARGS = ("lat_ptr", "scl_ptr", "rope_ptr", "lat_sb", "lat_st", "scl_sb", "scl_st", "rope_sb", "rope_st",
+              "scale_off", "rope_off", "BS")
+
+
+def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                        weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, interleaved: bool
+                        ) -> torch.Tensor | None:
+    """Backend.rope_norm_and_write_cache in one launch: the norm and ropes of mla_rope_and_norm, then the cache
+    write of write_cache from the rows just computed (the same values, bit for bit). Validated inputs (the
+    caller ran mla_rope_and_norm's checks and knows the fused kernel covers the shapes); None where this
+    plan or cache has no kernel path (the caller then composes the two ops)."""
+    spec = ref._check_plan_and_cache(plan, cache)
+    ref._check_tokens("kv", kv, 2, plan, cache)
+    ref._check_tokens("q_pe", q_pe, 3, plan, cache)
+    if not _usable(plan, cache) or kv.shape[1] != spec.kv_lora_rank + spec.rope_dim or weight.shape[0] != spec.kv_lora_rank:
+        return None
+    from deepinfer.backends.cuda_sm100 import mla_kernels as K
+    from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
+
+    q_out, _, _, launch = NR.mla_rope_norm_launch(q_pe, kv, weight, eps, plan.positions, cos_sin_cache, interleaved)
+    if launch is not None:
+        grid, kwargs = launch
+        kwargs.pop("R")  # a constant of the fused kernel, from the spec (the same rank)
+        dims = _dims(spec)
+        dims["ROPE"] = dims.pop("P")  # P is the cos-sin cache's length there
+        K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **dict(zip(_VIEW_ARGS, _cache_views(spec, cache))),
+                                          **dims, FP8=spec.is_fp8)
+    return q_out
+
+
 def _check_scale(softmax_scale) -> None:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise InvalidInputError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")

@@ -98,16 +98,23 @@ class CudaFusedOps(FusedOps):
     def mla_rope_and_norm(self, q_pe: torch.Tensor, kv: torch.Tensor, kv_norm_weight: torch.Tensor, eps: float,
                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool, *,
                           validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        check_mla_rope_and_norm(q_pe, kv, kv_norm_weight, positions, cos_sin_cache)
-        # where rms_norm or apply_rope would fall back (or no heads: H is a kernel constant), the reference
-        # composition of those methods
-        if (kv_norm_weight.shape[0] > NR.MAX_NORM_DIM or q_pe.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES
-                or not q_pe.shape[1] or not _triton_device(q_pe)):
+        if not self.mla_rope_and_norm_in_one_launch(q_pe, kv, kv_norm_weight, positions, cos_sin_cache, validate):
             return super().mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved,
                                              validate=validate)
+        return NR.mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved)
+
+    def mla_rope_and_norm_in_one_launch(self, q_pe: torch.Tensor, kv: torch.Tensor, kv_norm_weight: torch.Tensor,
+                                        positions: torch.Tensor, cos_sin_cache: torch.Tensor, validate: bool) -> bool:
+        """Check mla_rope_and_norm's inputs; whether its one-launch kernel (also the fused cache write's first
+        half) covers them. Not where rms_norm or apply_rope would fall back, or without heads (H is a kernel
+        constant): the reference composition of those methods runs there, and checks the positions itself."""
+        check_mla_rope_and_norm(q_pe, kv, kv_norm_weight, positions, cos_sin_cache)
+        if (kv_norm_weight.shape[0] > NR.MAX_NORM_DIM or q_pe.shape[-1] % 2 or cos_sin_cache.dtype not in FLOAT_DTYPES
+                or not q_pe.shape[1] or not _triton_device(q_pe)):
+            return False
         if validate and kv.shape[0] * q_pe.shape[-1]:  # k_pe.numel(): whether the reference's ropes would check
             self._check_positions(positions, cos_sin_cache)
-        return NR.mla_rope_and_norm(q_pe, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved)
+        return True
 
     @staticmethod
     def _check_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:

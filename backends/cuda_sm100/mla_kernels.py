@@ -17,6 +17,7 @@ has no arrays of tensors; rank <= 512 is therefore the kernels' limit (attention
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NRK
 from deepinfer.backends.cuda_sm100.pdl import enter
 
 LOG2E = 1.4426950408889634  # host side: softmax_scale * LOG2E is the kernels' qk_scale (exp2 domain)
@@ -68,7 +69,16 @@ def mla_write_kernel(
     """BT tokens per program: token t's (c_kv, k_pe) -> cache slot slot_ptr[t] (FP8: quantised per 128)."""
     enter(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < n_tokens
+    _write_rows(t, t < n_tokens, c_ptr, pe_ptr, slot_ptr, stride_c, stride_pe, lat_ptr, scl_ptr, rope_ptr,
+                lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS, R, P, CH, NC, PP, FP8, EXACT)
+
+
+@triton.jit
+def _write_rows(t, tmask, c_ptr, pe_ptr, slot_ptr, stride_c, stride_pe, lat_ptr, scl_ptr, rope_ptr,
+                lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
+                R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
+                FP8: tl.constexpr, EXACT: tl.constexpr):
+    """Tokens t (where tmask): c_kv row t of c_ptr and k_pe row t of pe_ptr -> cache slot slot_ptr[t]."""
     slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
     blk = slot // BS
     off = slot % BS
@@ -91,6 +101,30 @@ def mla_write_kernel(
     pe = tl.load(pe_ptr + t64[:, None] * stride_pe + pc[None, :], mask=pm, other=0.0).to(tl.float32)
     rrow = blk * rope_sb + off * rope_st + rope_off
     tl.store(rope_ptr + rrow[:, None] + pc[None, :], _to_bf16_rne(pe, EXACT), mask=pm)
+
+
+@triton.jit(do_not_specialize=["T"])
+def mla_rope_norm_write_kernel(
+    q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr,
+    T, RF, P, stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps,
+    slot_ptr, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
+    H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr,
+    R: tl.constexpr, ROPE: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr, FP8: tl.constexpr,
+    EXACT: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """mla_rope_norm_kernel's block of tokens (cache_ptr / P: the cos-sin cache and its length), then the same
+    tokens' cache write (mla_write_kernel's) from the rows this program just stored: the fused cache write with
+    the rope applied, one launch instead of two."""
+    enter(PDL)
+    t0 = tl.program_id(0) * BLOCK_T
+    NRK._mla_rope_norm_block(t0, q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr, T, R, RF, P,
+                             stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps, H, HALF, HALF_P, BLOCK_T,
+                             BLOCK_D, BLOCK_Q, INTERLEAVED, EXACT)
+    tl.debug_barrier()  # the block's c_kv / k_pe rows, stored by all of its threads, are read back below
+    t = t0 + tl.arange(0, BLOCK_T)
+    _write_rows(t, t < T, ckv_ptr, ko_ptr, slot_ptr, R, 2 * HALF, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st,
+                scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS, R, ROPE, CH, NC, PP, FP8, EXACT)
 
 
 # --- split-KV attention ---------------------------------------------------------------------------------

@@ -119,7 +119,17 @@ def mla_rope_norm_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_p
     then the block's q rows t * H + h, BLOCK_Q at a time, into qo [T*H, 2*HALF]; RF = float(R). H is a model
     constant: a constant divisor for the rows' token index, and a loop bound the interpreter can evaluate."""
     enter(PDL)
-    t0 = tl.program_id(0) * BLOCK_T
+    _mla_rope_norm_block(tl.program_id(0) * BLOCK_T, q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr,
+                         ko_ptr, T, R, RF, P, stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps, H, HALF, HALF_P,
+                         BLOCK_T, BLOCK_D, BLOCK_Q, INTERLEAVED, EXACT)
+
+
+@triton.jit
+def _mla_rope_norm_block(t0, q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr,
+                         T, R, RF, P, stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps,
+                         H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+    """mla_rope_norm_kernel's work for the tokens [t0, t0 + BLOCK_T); c_kv rows have R columns (contiguous)."""
     toks = t0 + tl.arange(0, BLOCK_T)
     _rms_norm_rows(kv_ptr, kv_ptr, w_ptr, ckv_ptr, ckv_ptr, toks, T, R, RF, stride_kv, 0, R, 0, eps,
                    BLOCK_D, False, EXACT)
@@ -209,13 +219,24 @@ def mla_rope_and_norm(q_pe: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validated q_pe [T, H, rope], kv [T, R + rope], weight [R] (R <= MAX_NORM_DIM, even rope) ->
     (q_pe roped, RMSNorm(kv[:, :R]), kv[:, R:] roped), contiguous, in one launch."""
+    q_out, c_kv, k_out, launch = mla_rope_norm_launch(q_pe, kv, weight, eps, positions, cos_sin_cache, interleaved)
+    if launch is not None:
+        grid, kwargs = launch
+        mla_rope_norm_kernel[grid](**kwargs)
+    return q_out, c_kv, k_out
+
+
+def mla_rope_norm_launch(q_pe: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, interleaved: bool):
+    """mla_rope_and_norm's outputs (allocated) and its launch (grid, keyword arguments), None for no tokens:
+    shared with the fused cache write (attention.rope_norm_and_write), whose kernel runs the same block first."""
     t, heads, rope = q_pe.shape
     r = weight.shape[0]
     q_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     c_kv = torch.empty((t, r), dtype=kv.dtype, device=kv.device)
     k_out = torch.empty((t, rope), dtype=kv.dtype, device=kv.device)
     if t == 0:
-        return q_out, c_kv, k_out
+        return q_out, c_kv, k_out, None
     q3 = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     kv2 = kv if kv.stride(-1) == 1 else kv.contiguous()
     w = weight if weight.stride(0) == 1 else weight.contiguous()
@@ -227,10 +248,11 @@ def mla_rope_and_norm(q_pe: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor
     # program walks its tokens' heads in rope-sized tiles, so one decode token is a single program.
     bt = max(1, min(next_pow2(t), _NORM_TILE // bd))
     bq = max(1, min(next_pow2(bt * heads), _ROPE_TILE // half_p))
-    mla_rope_norm_kernel[(cdiv(t, bt),)](
-        q3, kv2, kv2[:, r:], w, positions, cache, q_out, c_kv, k_out,
-        t, r, float(r), cache.shape[0], q3.stride(0), q3.stride(1), kv2.stride(0), positions.stride(0),
-        cache.stride(0), float(eps), H=heads, HALF=half, HALF_P=half_p, BLOCK_T=bt, BLOCK_D=bd, BLOCK_Q=bq,
+    kwargs = dict(
+        q_ptr=q3, kv_ptr=kv2, kpe_ptr=kv2[:, r:], w_ptr=w, pos_ptr=positions, cache_ptr=cache, qo_ptr=q_out,
+        ckv_ptr=c_kv, ko_ptr=k_out, T=t, R=r, RF=float(r), P=cache.shape[0], stride_qt=q3.stride(0),
+        stride_qh=q3.stride(1), stride_kv=kv2.stride(0), stride_p=positions.stride(0), stride_c=cache.stride(0),
+        eps=float(eps), H=heads, HALF=half, HALF_P=half_p, BLOCK_T=bt, BLOCK_D=bd, BLOCK_Q=bq,
         INTERLEAVED=bool(interleaved), EXACT=interpreting(), num_warps=_warps(max(bt * bd, bq * half_p)),
         enable_fp_fusion=False, **launch_kwargs())  # no FMA: rope bit-exact, as rope_kernel
-    return q_out, c_kv, k_out
+    return q_out, c_kv, k_out, ((cdiv(t, bt),), kwargs)

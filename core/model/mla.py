@@ -90,14 +90,12 @@ class MLAttention:
             q = be.linear(ops.rms_norm(q_first, self.q_a_layernorm, self.eps), self.q_b_proj)
         q = q.view(t, self.num_heads, self.nope + self.rope)
         q_nope = q[..., : self.nope]
-        # c_kv = RMSNorm(kv[:, :kv_lora_rank]) and rope of q_pe and k_pe = kv[:, kv_lora_rank:], in one op (one
-        # launch where the backend fuses them). Positions come from the step's plan, checked on the host by
-        # DeepseekModel.forward.
-        q_pe, c_kv, k_pe = ops.mla_rope_and_norm(q[..., self.nope :], kv, self.kv_a_layernorm, self.eps, ctx.positions,
-                                                 self.cos_sin_cache, self.rope_interleaved, validate=False)
-
+        # c_kv = RMSNorm(kv[:, :kv_lora_rank]) and the roped k_pe = kv[:, kv_lora_rank:] into the cache, and q_pe
+        # roped, in one op (one launch where the backend fuses them). Positions come from the step's plan,
+        # checked on the host by DeepseekModel.forward.
         cache = ctx.kv_caches[layer]
-        be.write_cache(ctx.plan, cache, c_kv, k_pe)
+        q_pe = be.rope_norm_and_write_cache(ctx.plan, cache, q[..., self.nope :], kv, self.kv_a_layernorm, self.eps,
+                                            self.cos_sin_cache, self.rope_interleaved, validate=False)
         if self.decompress_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
             out = self._decompressed(ctx, cache, q_nope, q_pe)
             return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)

@@ -263,6 +263,34 @@ def test_permuted_block_tables_match_contiguous(backend, gen):
 # --- bad inputs --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("rank,rope,heads", [(512, 64, 16), (32, 16, 3)])
+def test_rope_norm_and_write_cache_is_the_composition(backend, gen, kv_dtype, rank, rope, heads):
+    """The MLA cache update with its ropes (one launch on cuda_sm100) stores exactly what mla_rope_and_norm then
+    write_cache store on the same backend, and returns the same roped q_pe, bit for bit; other slots untouched."""
+    from deepinfer.backend import Backend
+    from deepinfer.ops.rope import RopeSpec
+
+    need_kv_dtype(backend, kv_dtype)
+    bs, query_lens, seq_lens = 16, (1, 5, 2), (9, 21, 2)
+    num_blocks, tables = random_tables(gen, seq_lens, bs, spare=2)
+    spec = KVCacheSpec(num_blocks, bs, rank, rope, kv_dtype)
+    plan = backend.plan_attention(AttentionBatch(query_lens, seq_lens, tables), spec)
+    dev, t = backend.device, sum(query_lens)
+    q_pe = randn(gen, t, heads, rope).bfloat16().to(dev)
+    kv = randn(gen, t, rank + rope, scale=2).bfloat16().to(dev)
+    weight = (torch.rand(rank, generator=gen) + 0.5).bfloat16().to(dev)
+    cos_sin = RopeSpec(rope, 10000.0).cos_sin_cache(64, dev)
+    fused = new_cache(backend, spec, gen)
+    composed = fused.clone()
+    q_fused = backend.rope_norm_and_write_cache(plan, fused, q_pe, kv, weight, 1e-6, cos_sin, False)
+    q_composed = Backend.rope_norm_and_write_cache(backend, plan, composed, q_pe, kv, weight, 1e-6, cos_sin, False)
+    assert torch.equal(q_fused.cpu(), q_composed.cpu())
+    assert torch.equal(fused.cpu().view(torch.uint8), composed.cpu().view(torch.uint8))
+    with pytest.raises(InvalidInputError):  # one token short of the plan's
+        backend.rope_norm_and_write_cache(plan, fused, q_pe[1:], kv[1:], weight, 1e-6, cos_sin, False)
+
+
 @pytest.fixture
 def small(backend, gen):
     """A valid bf16 decode + chunk step with its tensors; tests break one thing at a time."""
