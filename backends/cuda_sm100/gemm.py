@@ -236,6 +236,11 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         w2 = w.reshape(-1, w.shape[-1])
         b_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [cfg.bn, cfg.bk])
     split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused else 1
+    # Under PDL a one-matrix GEMM asks for its weight rows in L2 before waiting for the kernel before it (which
+    # never writes them): at decode sizes their streaming then starts during that kernel's tail.
+    prefetch = 0
+    if launch_kwargs() and layout == 0 and not use_tma and not fused and b_kind != 2:
+        prefetch = min(64, next_pow2(cdiv(cdiv(k, split) * w.element_size(), 128)))
     if layout == 0:
         m_tiles = cdiv(m, cfg.bm)
     elif layout == 1:
@@ -265,7 +270,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         G_P=next_pow2(max(groups, 1)), IMPRECISE=cfg.imprecise, WS=cfg.ws, STAGES=cfg.stages,
         K_ITERS=cdiv(k, cfg.bk) // split if interpreting() else 0, EXACT=interpreting(),
         SCALAR_BS=BLOCK % cfg.bn == 0 and (not fused or n % BLOCK == 0),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch_kwargs(),
+        num_warps=cfg.warps, num_stages=cfg.stages, PREFETCH=prefetch, **launch_kwargs(),
     )
     if split > 1:
         block = 1024

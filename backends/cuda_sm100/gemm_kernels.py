@@ -124,6 +124,16 @@ def _tile_rows(pid_m, sizes_ptr, M, G, cap, LAYOUT: tl.constexpr, BM: tl.constex
         return g, row0, g * cap + count
 
 
+@triton.jit
+def _prefetch_rows_l2(b_ptr, rows, N, k0, K, stride_bn, LINES: tl.constexpr):
+    """prefetch.global.L2 of LINES 128-byte lines of each row (< N) from column k0 on (unit column stride)."""
+    per_line: tl.constexpr = 1024 // b_ptr.dtype.element_ty.primitive_bitwidth
+    cols = tl.minimum(k0 + tl.arange(0, LINES) * per_line, K - 1)
+    ptrs = b_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * stride_bn + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # Row counts change every step: keep them out of the specialisation key (one compile serves every M).
 @triton.jit(do_not_specialize=["M", "G", "cap", "stride_cw", "M_TILES", "SPLIT_K"])
 def gemm_kernel(
@@ -137,14 +147,15 @@ def gemm_kernel(
     COMPUTE: tl.constexpr, IEEE: tl.constexpr, ROUND_OUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, G_P: tl.constexpr,
     IMPRECISE: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr, K_ITERS: tl.constexpr, EXACT: tl.constexpr,
-    SCALAR_BS: tl.constexpr, IS_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    SCALAR_BS: tl.constexpr, IS_SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """C = A @ B^T per tile. N is the number of output columns (I when FUSE_SILU: B then has 2N rows).
 
     With IS_SPLIT, program_id(1) takes one of SPLIT_K (a runtime value: no recompile per split) slices of
     the K blocks and writes float32 partials to c_ptr + pid_k * stride_cw (summed by splitk_reduce_kernel).
+    PREFETCH > 0 (under PDL, one matrix): before waiting for the previous kernel, this CTA asks for its weight
+    rows (PREFETCH 128-byte lines of each) in L2, which nothing before it writes.
     """
-    enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BN)
@@ -154,6 +165,10 @@ def gemm_kernel(
     group_rows = tl.minimum(M_TILES - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % group_rows
     pid_n = (pid % width) // group_rows
+    if PREFETCH > 0:
+        _prefetch_rows_l2(b_ptr, pid_n * BN + tl.arange(0, BN), N, pid_k * (tl.cdiv(K, BK) // SPLIT_K) * BK, K,
+                          stride_bn, PREFETCH)
+    enter(PDL)
 
     if LAYOUT == 0:
         g = pid_m * 0
