@@ -7,8 +7,10 @@ every kernel here starts with `enter`, which waits for the previous grid to fini
 Nothing is read or written before the wait, so stream order holds as without PDL; what overlaps is the launch
 and the CTAs' arrival. A kernel after a launch without PDL (cuBLAS, torch ops) simply starts when that one ends.
 
-Off by default until measured on the GPU (benchmarks/e2e.py with and without DEEPINFER_PDL=1); never under the
-Triton interpreter.
+A one-matrix GEMM also asks for its weight rows in L2 before its wait (gemm_kernel's PREFETCH), so their streaming
+starts during the previous kernel: H200, FP8 V2-Lite batch 1 402.8 vs 385.9 tok/s (benchmarks/RESULTS.md). Off by
+default until the engine's graph and greedy-equality tests have run under it on the GPU (gpu_suite.sh pdl);
+never under the Triton interpreter.
 """
 
 from __future__ import annotations
