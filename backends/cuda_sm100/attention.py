@@ -345,7 +345,8 @@ def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Te
     spec = ref._check_plan_and_cache(plan, cache)
     ref._check_tokens("kv", kv, 2, plan, cache)
     ref._check_tokens("q_pe", q_pe, 3, plan, cache)
-    if not _usable(plan, cache) or kv.shape[1] != spec.kv_lora_rank + spec.rope_dim or weight.shape[0] != spec.kv_lora_rank:
+    rank = spec.kv_lora_rank
+    if not _usable(plan, cache) or kv.shape[1] != rank + spec.rope_dim or weight.shape[0] != rank:
         return None
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
     from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
@@ -356,8 +357,8 @@ def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Te
         kwargs.pop("R")  # a constant of the fused kernel, from the spec (the same rank)
         dims = _dims(spec)
         dims["ROPE"] = dims.pop("P")  # P is the cos-sin cache's length there
-        K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **dict(zip(_VIEW_ARGS, _cache_views(spec, cache))),
-                                          **dims, FP8=spec.is_fp8)
+        views = dict(zip(_VIEW_ARGS, _cache_views(spec, cache)))
+        K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **views, **dims, FP8=spec.is_fp8)
     return q_out
 
 
