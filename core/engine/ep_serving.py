@@ -190,8 +190,10 @@ def follow(ep: ExpertParallelEngine) -> None:
     """A follower rank's loop: apply rank 0's commands, step in lockstep, report; until rank 0 says stop.
 
     Ctrl-C and SIGTERM reach the whole process group; rank 0 drains its server and then releases the
-    followers, so they ignore both (a dead rank 0 still ends them: its connections close).
+    followers, so they ignore both (a dead rank 0 still ends them: its connections close). The follower serves
+    this one engine for its life: its start-up heap is frozen first, as deepinfer-serve does in rank 0's process.
     """
+    freeze_startup_heap()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     ctx = ep.ctx
@@ -233,7 +235,6 @@ def _follower_entry(rank: int, world: int, init_method: str, engine_config: Engi
     ctx = init_distributed(dist_backend, rank=rank, world_size=world, init_method=init_method,
                            timeout_s=COLLECTIVE_TIMEOUT_S, cpu_timeout_s=FOLLOWER_WAIT_S)
     ep = build_engine(engine_config, ctx)
-    freeze_startup_heap()  # as deepinfer-serve does in rank 0's process
     dist.barrier(group=ctx.cpu_group)  # pairs with rank 0's in launch()
     follow(ep)
 
@@ -289,7 +290,6 @@ def launch(engine_config: EngineConfig) -> Launch:
             child.kill()
         raise
     if ctx.rank != 0:
-        freeze_startup_heap()
         follow(ep)
         return Launch(None, children)
     return Launch(ExpertParallelFront(ep, children), children)
