@@ -165,9 +165,10 @@ def gemm_kernel(
     group_rows = tl.minimum(M_TILES - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % group_rows
     pid_n = (pid % width) // group_rows
+    # The launcher makes SPLIT_K divide the K blocks, so every split runs the same trip count.
+    kb_lo = pid_k * (tl.cdiv(K, BK) // SPLIT_K)
     if PREFETCH > 0:
-        _prefetch_rows_l2(b_ptr, pid_n * BN + tl.arange(0, BN), N, pid_k * (tl.cdiv(K, BK) // SPLIT_K) * BK, K,
-                          stride_bn, PREFETCH)
+        _prefetch_rows_l2(b_ptr, pid_n * BN + tl.arange(0, BN), N, kb_lo * BK, K, stride_bn, PREFETCH)
     enter(PDL)
 
     if LAYOUT == 0:
@@ -186,9 +187,6 @@ def gemm_kernel(
     safe_m = tl.minimum(offs_m, row_end - 1).to(tl.int64)
     safe_n = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BK)
-
-    # The launcher makes SPLIT_K divide the K blocks, so every split runs the same trip count.
-    kb_lo = pid_k * (tl.cdiv(K, BK) // SPLIT_K)
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if FUSE_SILU:
