@@ -115,9 +115,10 @@ class CudaSM100Backend(ReferenceBackend):
                 q_pe, kv, kv_norm_weight, plan.positions, cos_sin_cache, validate):
             from deepinfer.backends.cuda_sm100 import attention
 
-            q_out = attention.rope_norm_and_write(plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache, interleaved)
-            if q_out is not None:
-                return q_out
+            if attention.fuses_cache_write(plan, cache, kv, kv_norm_weight):
+                return attention.rope_norm_and_write(plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache,
+                                                     interleaved)
+            validate = False  # the positions were just checked
         return super().rope_norm_and_write_cache(plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache,
                                                  interleaved, validate=validate)
 

@@ -335,19 +335,21 @@ _VIEW_ARGS = ("lat_ptr", "scl_ptr", "rope_ptr", "lat_sb", "lat_st", "scl_sb", "s
               "scale_off", "rope_off", "BS")
 
 
+def fuses_cache_write(plan: AttentionPlan, cache: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rope_norm_and_write serves this step: a kernel plan and cache, and kv / weight of its rank."""
+    spec = plan.spec if isinstance(plan, AttentionPlan) else None
+    return (spec is not None and _usable(plan, cache) and kv.shape[-1] == spec.kv_lora_rank + spec.rope_dim
+            and weight.shape[0] == spec.kv_lora_rank)
+
+
 def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
-                        weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, interleaved: bool
-                        ) -> torch.Tensor | None:
+                        weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Backend.rope_norm_and_write_cache in one launch: the norm and ropes of mla_rope_and_norm, then the cache
-    write of write_cache from the rows just computed (the same values, bit for bit). Validated inputs (the
-    caller ran mla_rope_and_norm's checks and knows the fused kernel covers the shapes); None where this
-    plan or cache has no kernel path (the caller then composes the two ops)."""
+    write of write_cache from the rows just computed (the same values, bit for bit). For inputs that passed
+    mla_rope_and_norm's checks, where fuses_cache_write holds."""
     spec = ref._check_plan_and_cache(plan, cache)
     ref._check_tokens("kv", kv, 2, plan, cache)
     ref._check_tokens("q_pe", q_pe, 3, plan, cache)
-    rank = spec.kv_lora_rank
-    if not _usable(plan, cache) or kv.shape[1] != rank + spec.rope_dim or weight.shape[0] != rank:
-        return None
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
     from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
 
