@@ -229,6 +229,45 @@ def profile_eager_step(engine, batch: int, context: int, gen: torch.Generator, t
             engine.step()
 
 
+def profile_graph_replay(engine, batch: int, replays: int = 5, top: int = 30) -> None:
+    """Timeline of decode graph replays at this batch size: kernel time against the idle gaps between kernels
+    (launch and ramp cost a graph still pays), and per kernel its mean duration and the mean gap before it."""
+    graphs = engine.runner.graphs
+    size = None if graphs is None else graphs.size_for(batch)
+    if size is None or engine.backend.device.type != "cuda":
+        print("  (no decode graph for this batch)")
+        return
+    import json
+    import tempfile
+
+    graphs.replay(size)
+    sync(engine.backend.device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(size)
+        sync(engine.backend.device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    if not kernels:
+        print("  (the profiler saw no kernels inside the graph)")
+        return
+    stats: dict[str, list[float]] = {}
+    busy = gaps = 0.0
+    for i, (ts, dur, name) in enumerate(kernels):
+        gap = 0.0 if i == 0 else max(0.0, ts - (kernels[i - 1][0] + kernels[i - 1][1]))
+        gap = gap if gap < 50 else 0.0  # the pause between two replays is not the graph's
+        busy, gaps = busy + dur, gaps + gap
+        row = stats.setdefault(name[:70], [0, 0.0, 0.0])
+        row[0], row[1], row[2] = row[0] + 1, row[1] + dur, row[2] + gap
+    print(f"  graph replay, batch {batch}: {len(kernels) / replays:.0f} kernels per step, "
+          f"{busy / replays:.0f} us of kernels + {gaps / replays:.0f} us of gaps between them per step")
+    print(f"  {'kernel':<70} {'per step':>8} {'us each':>8} {'us/step':>8} {'gap us/step':>11}")
+    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
+        print(f"  {name:<70} {n / replays:>8.0f} {dur / n:>8.2f} {dur / replays:>8.1f} {gap / replays:>11.1f}")
+
+
 def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25) -> None:
     """Kernel time breakdown of a whole prefill (all its chunks) of one prompt."""
     print_kernel_table(engine, lambda: run_ttft(engine, prompt_len, gen), top)
@@ -300,6 +339,8 @@ def main() -> None:
     p.add_argument("--peer-context", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="kernel breakdown of eager decode steps (batch 1, 32) and of each TTFT prefill")
     p.add_argument("--profile-batches", nargs="+", type=int, default=[1, 32], help="batches of --profile's decode steps")
+    p.add_argument("--profile-graph", action="store_true",
+                   help="timeline of decode graph replays at --profile-batches: kernel time against launch gaps")
     p.add_argument("--profile-host", action="store_true", help="--profile's decode steps by host time per operator")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model with the same structure (script test)")
     p.add_argument("--seed", type=int, default=0)
@@ -376,6 +417,9 @@ def main() -> None:
                     cell.update(prefill_s=prefill_s, decode_tok_s=tok_s, roofline_tok_s=roof, steps=len(steps),
                                 median_step_ms=step_ms, graph_replay_ms=replay)
                 results["cells"].append(cell)
+        if args.profile_graph:
+            for batch in args.profile_batches:
+                profile_graph_replay(engine, batch)
         if args.profile:
             for batch in (b for b in args.profile_batches if b <= engine.engine_config.max_num_seqs):  # more would queue
                 by = "host operators by CPU time" if args.profile_host else "kernels by CUDA time"
