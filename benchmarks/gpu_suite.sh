@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_suite.sh tests   # cuda_sm100 conformance + engine graph, sampler, memory-profile tests
 #   bash benchmarks/gpu_suite.sh kernels # + mla_decode, gemm (fp8, grouped), gemm_decode, prefill_attention
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
-#   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (DEEPINFER_PDL=1): the graph and greedy-
+#   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (on by default): the graph and greedy-
 #                                        # equality tests with it, then decode at batch 1 / 32 with and without
 #   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine and EP engine
 #                                        # conformance, then benchmarks/ep_comm.py over every GPU (issue 13)

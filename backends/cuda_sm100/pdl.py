@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper and later), opt-in with DEEPINFER_PDL=1.
+"""Programmatic dependent launch (Hopper and later), on by default on SM90+; DEEPINFER_PDL=0 turns it off.
 
 A decode step at batch 1 is a chain of ~15 small launches per layer, each paying its launch and ramp-up in
 full after the previous kernel drains. With PDL a kernel may be scheduled while its predecessor still runs:
@@ -8,9 +8,9 @@ Nothing is read or written before the wait, so stream order holds as without PDL
 and the CTAs' arrival. A kernel after a launch without PDL (cuBLAS, torch ops) simply starts when that one ends.
 
 A one-matrix GEMM also asks for its weight rows in L2 before its wait (gemm_kernel's PREFETCH), so their streaming
-starts during the previous kernel: H200, FP8 V2-Lite batch 1 402.8 vs 385.9 tok/s (benchmarks/RESULTS.md). Off by
-default until the engine's graph and greedy-equality tests have run under it on the GPU (gpu_suite.sh pdl);
-never under the Triton interpreter.
+starts during the previous kernel. H200, V2-Lite batch 1 (benchmarks/RESULTS.md, eighth session): FP8 437.0 vs
+387.6 tok/s, bf16 388.1 vs 374.7; the engine's graph and greedy-equality tests pass under it (gpu_suite.sh pdl).
+Never under the Triton interpreter, which has no griddepcontrol.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import triton.language as tl
 
 @functools.cache
 def launch_kwargs() -> dict:
-    """Extra launch arguments for a PDL-capable kernel: {} unless DEEPINFER_PDL=1 on an SM90+ GPU."""
-    if os.environ.get("DEEPINFER_PDL", "0") != "1" or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    """Extra launch arguments for a PDL-capable kernel: {} off an SM90+ GPU or with DEEPINFER_PDL=0."""
+    if os.environ.get("DEEPINFER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         return {}
     import torch
 

@@ -1,5 +1,6 @@
-"""The programmatic-dependent-launch switch: opt-in, and never under the Triton interpreter (which has no
-griddepcontrol); what PDL does on the GPU is covered by the GPU suite with DEEPINFER_PDL=1."""
+"""The programmatic-dependent-launch switch: on by default where the GPU has it, off with DEEPINFER_PDL=0, and
+never under the Triton interpreter (which has no griddepcontrol); what PDL does on the GPU is covered by the
+GPU suite (gpu_suite.sh tests and pdl)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ def fresh_switch():
     pdl.launch_kwargs.cache_clear()
 
 
-def test_off_unless_asked(monkeypatch):
-    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+def test_off_when_asked(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pdl.launch_kwargs() == {}
 
 
+def test_default_follows_the_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    has_pdl = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    assert pdl.launch_kwargs() == ({"PDL": True, "launch_pdl": True} if has_pdl else {})
+
+
 def test_never_under_the_interpreter(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.launch_kwargs() == {}
