@@ -166,24 +166,20 @@ class Backend(ABC):
 
     @abstractmethod
     def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,
-                       validate: bool = True, always_used: int = 0) -> torch.Tensor:
+                       validate: bool = True) -> torch.Tensor:
         """Rows of x [M, K] sorted by group; group g's rows (group_sizes[g] of them) use weight[g] [N, K].
 
         validate=False skips checking the sizes' values, a read-back that stalls the host behind queued GPU
-        work (and is illegal in graph capture), for callers that produced them (the model, from dispatch).
-        always_used: a hint that the last `always_used` groups have rows at every call (folded shared experts,
-        the heads of a per-head GEMM), so a backend may start reading their weights before the sizes are known;
-        it never changes the result."""
+        work (and is illegal in graph capture), for callers that produced them (the model, from dispatch)."""
 
     def gated_linear(self, x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None, *,
-                     validate: bool = True, always_used: int = 0) -> torch.Tensor:
+                     validate: bool = True) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight (the first half of a gated MLP),
-        -> [M, I]; with group_sizes, grouped as grouped_linear (always_used too). By default the projection
-        then ops.silu_and_mul; a backend may fuse the two."""
+        -> [M, I]; with group_sizes, grouped as grouped_linear. By default the projection then
+        ops.silu_and_mul; a backend may fuse the two."""
         if group_sizes is None:
             return self.ops.silu_and_mul(self.linear(x, gate_up))
-        return self.ops.silu_and_mul(self.grouped_linear(x, gate_up, group_sizes, validate=validate,
-                                                         always_used=always_used))
+        return self.ops.silu_and_mul(self.grouped_linear(x, gate_up, group_sizes, validate=validate))
 
     # --- communication --------------------------------------------------------------------------
     @abstractmethod

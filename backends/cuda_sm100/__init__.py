@@ -144,15 +144,14 @@ class CudaSM100Backend(ReferenceBackend):
 
         return gemm.linear(x, weight, batch_invariant=getattr(self, "batch_invariant", False))
 
-    def grouped_linear(self, x, weight, group_sizes, *, validate=True, always_used=0):
+    def grouped_linear(self, x, weight, group_sizes, *, validate=True):
         if not self._triton_runs_here():
             return super().grouped_linear(x, weight, group_sizes, validate=validate)
         from deepinfer.backends.cuda_sm100 import gemm
 
-        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate,
-                                   always_used=always_used)
+        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
 
-    def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True, always_used=0):
+    def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
         from deepinfer.backends.cuda_sm100 import gemm
 
         # Experts at decode sizes: SiLU-and-mul in the grouped GEMM's epilogue (one launch, and no [M, 2I]
@@ -160,8 +159,8 @@ class CudaSM100Backend(ReferenceBackend):
         # batch-invariant mode keeps one path for every size.
         if (group_sizes is not None and self._triton_runs_here() and not self.batch_invariant
                 and gemm.fuse_gate_up(x.shape[0], gate_up.num_groups)):
-            return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate, always_used=always_used)
-        return super().gated_linear(x, gate_up, group_sizes, validate=validate, always_used=always_used)
+            return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate)
+        return super().gated_linear(x, gate_up, group_sizes, validate=validate)
 
     # --- MoE communication: a device-side counting sort and a fused combine in one process (moe_comm.py);
     # under expert parallelism one row per (token, rank) over all_to_all (ep_comm.py) ---

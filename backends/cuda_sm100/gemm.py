@@ -2,10 +2,10 @@
 
 - FP8 block weights: activations quantised per token per 128 channels by quant_fp8_kernel (scales stored
   column-major, as DeepGEMM does, so the GEMM reads them contiguously), then the block-scaled tile GEMM.
-- bf16/fp16 dense `linear` goes to cuBLAS (torch.matmul) past decode sizes: benchmarks/gemm.py measures the
-  Triton tile kernel against it (H200, 2026-11-29: 0.71-1.03x cuBLAS at M=4096, 0.76-1.02x at M=64); at decode
-  sizes under PDL the Triton kernel runs (dense_decode_on_triton); grouped dense GEMMs always use it. float32
-  or mixed dtypes run the kernel with IEEE float32 dots (exact like the reference, slow; not a serving path).
+- bf16/fp16 dense `linear` goes to cuBLAS (torch.matmul): benchmarks/gemm.py measures the Triton
+  tile kernel against it (H200, 2026-11-29: 0.71-1.03x cuBLAS at M=4096, 0.76-1.02x at M=64), so cuBLAS
+  stays; grouped dense GEMMs use the Triton kernel. float32 or mixed dtypes run the kernel with IEEE
+  float32 dots (exact like the reference, slow; not a serving path).
 - NVFP4: weight-only on SM90 (E2M1 x e4m3 block scale dequantised in registers to the activation dtype,
   which is exact, global scale applied to the accumulator). SM100's native block-scaled MMA is not
   wired yet: on SM100 the same weight-only kernel runs (`native_nvfp4_available` gates the switch).
@@ -207,9 +207,8 @@ def _compute_dtype(x_dtype: torch.dtype, weight: LinearWeight) -> torch.dtype:
 
 def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int, groups: int, cap: int, n: int,
             rows_hint: int, out_scale=None, fused: bool = False, round_dtype=None, cfg: TileConfig | None = None,
-            invariant: bool = False, always_used: int = 0):
-    """One launch of gemm_kernel: a [rows, K] (e4m3 with a_scale, or float), weight [G?, N_b, K] -> out [rows, n].
-    always_used: the last groups of a grouped layout that have rows at every call (Backend.grouped_linear)."""
+            invariant: bool = False):
+    """One launch of gemm_kernel: a [rows, K] (e4m3 with a_scale, or float), weight [G?, N_b, K] -> out [rows, n]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b_kind = _b_kind(weight)
@@ -237,6 +236,11 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         w2 = w.reshape(-1, w.shape[-1])
         b_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [cfg.bn, cfg.bk])
     split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused else 1
+    # Under PDL a one-matrix GEMM asks for its weight rows in L2 before waiting for the kernel before it (which
+    # never writes them): at decode sizes their streaming then starts during that kernel's tail.
+    prefetch = 0
+    if launch_kwargs() and layout == 0 and not use_tma and not fused and b_kind != 2:
+        prefetch = min(64, next_pow2(cdiv(cdiv(k, split) * w.element_size(), 128)))
     if layout == 0:
         m_tiles = cdiv(m, cfg.bm)
     elif layout == 1:
@@ -244,21 +248,6 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     else:
         m_tiles = groups * cdiv(cap, cfg.bm)
     n_tiles = cdiv(n, cfg.bn)
-    # Under PDL a GEMM asks for weight rows in L2 before waiting for the kernel before it (which never writes
-    # them), so at decode sizes their streaming starts during that kernel's tail: a one-matrix GEMM its own
-    # tile's rows, a grouped one the rows of its always-used groups, spread over all its CTAs.
-    prefetch = pf_rows = pf_total = 0
-    pf_base = w
-    if launch_kwargs() and b_kind != 2:
-        lines = min(64, next_pow2(cdiv(cdiv(k, split) * w.element_size(), 128)))
-        if layout == 0 and not use_tma and not fused:
-            prefetch = lines
-        elif (layout != 0 and 0 < always_used <= w.shape[0] and w.stride(2) == 1
-              and w.stride(0) == w.shape[1] * w.stride(1)):
-            pf_base = w[w.shape[0] - always_used:]
-            pf_total = always_used * w.shape[1]
-            pf_rows = min(64, next_pow2(cdiv(pf_total, m_tiles * n_tiles * split)))
-            prefetch = min(lines, max(1, 4096 // pf_rows))  # at most 32 prefetches per thread of 4 warps
     target = out
     if split > 1:
         target = torch.empty(split, m, n, dtype=torch.float32, device=a.device)
@@ -270,8 +259,8 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     s_bs = (sc.stride(0), sc.stride(1), sc.stride(2)) if sc is not None else (0, 0, 0)
     s_cs = (out_scale.stride(0), out_scale.stride(1)) if out_scale is not None else (0, 0)
     K.gemm_kernel[(m_tiles * n_tiles, split)](
-        a_arg, a_s, b_arg, sc_arg, bg, target, cs, sizes_arg, pf_base,
-        m, n, k, groups, cap, pf_total,
+        a_arg, a_s, b_arg, sc_arg, bg, target, cs, sizes_arg,
+        m, n, k, groups, cap,
         a.stride(0), *s_as,
         w.stride(0), w.stride(1), w.stride(2), *s_bs,
         out.stride(0), *s_cs, m * n, m_tiles,
@@ -281,7 +270,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         G_P=next_pow2(max(groups, 1)), IMPRECISE=cfg.imprecise, WS=cfg.ws, STAGES=cfg.stages,
         K_ITERS=cdiv(k, cfg.bk) // split if interpreting() else 0, EXACT=interpreting(),
         SCALAR_BS=BLOCK % cfg.bn == 0 and (not fused or n % BLOCK == 0),
-        num_warps=cfg.warps, num_stages=cfg.stages, PREFETCH=prefetch, PF_ROWS=max(pf_rows, 1), **launch_kwargs(),
+        num_warps=cfg.warps, num_stages=cfg.stages, PREFETCH=prefetch, **launch_kwargs(),
     )
     if split > 1:
         block = 1024
@@ -313,25 +302,16 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: LinearWeight, out_
     return out
 
 
-def dense_decode_on_triton(m: int, x_dtype: torch.dtype, weight: LinearWeight) -> bool:
-    """Whether a 16-bit dense one-matrix GEMM of m rows runs on the Triton kernel rather than cuBLAS: at decode
-    sizes under PDL, where the kernel's launch overlaps the kernel before it and its weight streams into L2
-    before it waits (cuBLAS does neither, and a kernel after it cannot start early)."""
-    return (m <= DECODE_ROWS and bool(launch_kwargs()) and weight.format is WeightFormat.DENSE
-            and x_dtype == weight.data.dtype and x_dtype != torch.float32)
-
-
 def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None, dense_triton: bool | None = None,
            batch_invariant: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype. batch_invariant: fixed tiles (and no cuBLAS, which picks
     kernels by M), so a row's result does not depend on the other rows."""
     weight = _check_weight(weight, 2)
     x = _check_x(x, weight)
+    dense_triton = dense_triton or batch_invariant
     x2 = x.reshape(-1, weight.in_features)
     m, n = x2.shape[0], weight.out_features
-    if dense_triton is None:
-        dense_triton = interpreting() or dense_decode_on_triton(m, x2.dtype, weight)
-    if weight.format is WeightFormat.DENSE and not (dense_triton or batch_invariant):
+    if weight.format is WeightFormat.DENSE and not (interpreting() if dense_triton is None else dense_triton):
         if x2.dtype == weight.data.dtype:
             out = x2 @ weight.data.t()
         else:
@@ -356,7 +336,7 @@ def _check_sizes(group_sizes: object, groups: int, total: int | None, device: to
 
 def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, cfg: TileConfig | None = None,
-                   batch_invariant: bool = False, validate: bool = True, always_used: int = 0) -> torch.Tensor:
+                   batch_invariant: bool = False, validate: bool = True) -> torch.Tensor:
     """Contiguous layout: x [M, K] rows sorted by group, group_sizes [G] on the device -> [M, N].
 
     x may be pre-quantised e4m3 with x_scale [M, KB] (fp8_block weights only); the output is then out_dtype
@@ -372,8 +352,7 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Ten
     if m:
         a, a_scale = _prepare_a(x, weight, x_scale)
         _launch(a, a_scale, weight, out, layout=1, sizes=group_sizes, m=m, groups=weight.num_groups, cap=0, n=n,
-                rows_hint=rows_per_group(m, weight.num_groups), cfg=cfg, invariant=batch_invariant,
-                always_used=always_used)
+                rows_hint=rows_per_group(m, weight.num_groups), cfg=cfg, invariant=batch_invariant)
     return out
 
 
@@ -407,7 +386,7 @@ def fuse_gate_up(rows: int, groups: int) -> bool:
 
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, quantize: bool = True, cfg: TileConfig | None = None,
-                 validate: bool = True, always_used: int = 0):
+                 validate: bool = True):
     """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight, in one kernel.
 
     Layout: a 2-D weight (dense MLP), or stacked with group_sizes (contiguous, x [M, K]) or counts (masked,
@@ -451,8 +430,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
         if quantize and cfg.bn != BLOCK:
             cfg = replace(cfg, bn=BLOCK)
         _launch(a, a_scale, gate_up, out, layout=layout, sizes=sizes, m=m, groups=groups, cap=cap, n=inter,
-                rows_hint=rows_hint, out_scale=out_scale, fused=True, round_dtype=x.dtype, cfg=cfg,
-                always_used=always_used)
+                rows_hint=rows_hint, out_scale=out_scale, fused=True, round_dtype=x.dtype, cfg=cfg)
     if quantize:
         return out.reshape(*lead, inter), out_scale.reshape(*lead, inter // BLOCK)
     return out.reshape(*lead, inter)

@@ -135,10 +135,10 @@ def _prefetch_rows_l2(b_ptr, rows, N, k0, K, stride_bn, LINES: tl.constexpr):
 
 
 # Row counts change every step: keep them out of the specialisation key (one compile serves every M).
-@triton.jit(do_not_specialize=["M", "G", "cap", "stride_cw", "M_TILES", "SPLIT_K", "PF_TOTAL"])
+@triton.jit(do_not_specialize=["M", "G", "cap", "stride_cw", "M_TILES", "SPLIT_K"])
 def gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, sizes_ptr, pf_ptr,
-    M, N, K, G, cap, PF_TOTAL,
+    a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, sizes_ptr,
+    M, N, K, G, cap,
     stride_am, stride_asm, stride_ask,
     stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
     stride_cm, stride_csm, stride_csk, stride_cw, M_TILES,
@@ -148,15 +148,13 @@ def gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, G_P: tl.constexpr,
     IMPRECISE: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr, K_ITERS: tl.constexpr, EXACT: tl.constexpr,
     SCALAR_BS: tl.constexpr, IS_SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-    PF_ROWS: tl.constexpr = 1,
 ):
     """C = A @ B^T per tile. N is the number of output columns (I when FUSE_SILU: B then has 2N rows).
 
     With IS_SPLIT, program_id(1) takes one of SPLIT_K (a runtime value: no recompile per split) slices of
     the K blocks and writes float32 partials to c_ptr + pid_k * stride_cw (summed by splitk_reduce_kernel).
-    PREFETCH > 0 (under PDL): before waiting for the previous kernel, this CTA asks for weight rows in L2
-    (PREFETCH 128-byte lines of each), which nothing before it writes: one matrix, its own tile's rows; grouped,
-    its PF_ROWS share of the PF_TOTAL rows from pf_ptr on (the always-used groups, known before the sizes).
+    PREFETCH > 0 (under PDL, one matrix): before waiting for the previous kernel, this CTA asks for its weight
+    rows (PREFETCH 128-byte lines of each) in L2, which nothing before it writes.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -170,12 +168,7 @@ def gemm_kernel(
     # The launcher makes SPLIT_K divide the K blocks, so every split runs the same trip count.
     kb_lo = pid_k * (tl.cdiv(K, BK) // SPLIT_K)
     if PREFETCH > 0:
-        if LAYOUT == 0:
-            _prefetch_rows_l2(b_ptr, pid_n * BN + tl.arange(0, BN), N, kb_lo * BK, K, stride_bn, PREFETCH)
-        else:
-            pf_first = (pid + pid_k * tl.num_programs(0)) * PF_ROWS
-            if pf_first < PF_TOTAL:
-                _prefetch_rows_l2(pf_ptr, pf_first + tl.arange(0, PF_ROWS), PF_TOTAL, 0, K, stride_bn, PREFETCH)
+        _prefetch_rows_l2(b_ptr, pid_n * BN + tl.arange(0, BN), N, kb_lo * BK, K, stride_bn, PREFETCH)
     enter(PDL)
 
     if LAYOUT == 0:

@@ -74,8 +74,7 @@ class MLAttention:
             sizes = self._head_groups[key] = torch.full((h,), t, dtype=torch.int64, device=x.device)
             if len(self._head_groups) > 64:  # bounded: shapes vary per step
                 self._head_groups = {key: sizes}
-        out = self.backend.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False,
-                                          always_used=h)
+        out = self.backend.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False)
         return out.view(h, t, -1).transpose(0, 1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:

@@ -115,20 +115,15 @@ class GatedMLP:
             None if w is None else expert_weight(w, g) for w in (self.gate_up, self.gate, self.up, self.down))
         return view
 
-    def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None,
-                 always_used: int) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None) -> torch.Tensor:
         if group_sizes is None:
             return self.backend.linear(x, weight)
-        # sizes from dispatch: no value check
-        return self.backend.grouped_linear(x, weight, group_sizes, validate=False, always_used=always_used)
+        return self.backend.grouped_linear(x, weight, group_sizes, validate=False)  # sizes from dispatch
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None, always_used: int = 0) -> torch.Tensor:
-        """always_used: the last groups that take rows at every call (folded shared experts), a hint for the
-        backend (see Backend.grouped_linear)."""
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
         if self.gate_up is not None:  # sizes come from dispatch: no value check
-            hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False, always_used=always_used)
+            hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False)
         else:
-            gate_up = torch.cat([self._project(x, self.gate, group_sizes, always_used),
-                                 self._project(x, self.up, group_sizes, always_used)], dim=-1)
+            gate_up = torch.cat([self._project(x, self.gate, group_sizes), self._project(x, self.up, group_sizes)], dim=-1)
             hidden = self.backend.ops.silu_and_mul(gate_up)
-        return self._project(hidden, self.down, group_sizes, always_used)
+        return self._project(hidden, self.down, group_sizes)

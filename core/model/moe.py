@@ -110,5 +110,5 @@ class MoE:
         elif self.folded_shared and not fold:
             shared = self._shared_apart(x)
         dispatched = pending.wait()
-        expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes, always_used=fold)
+        expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes)
         return be.combine(dispatched, expert_out, add=shared).wait()  # the shared output joins the routed sum

@@ -144,24 +144,6 @@ def test_gated_linear_is_silu_of_gate_times_up(backend, gen, fmt, sizes, dtype):
     assert _rel_err(out.float(), ref) < tol
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8_block"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_always_used_hint_changes_nothing(backend, gen, fmt, dtype):
-    """always_used (the last groups take rows at every call: folded shared experts, per-head GEMMs) lets a
-    backend read their weights early (cuda_sm100 under PDL prefetches them into L2); results stay identical,
-    fused gate/up included, at decode sizes (one row per group) and past them."""
-    for sizes in ([1, 0, 1, 0, 1, 1, 1], [9, 4, 0, 7, 12, 3, 5]):
-        e, m, k, n = len(sizes), sum(sizes), 256, 256
-        x = torch.randn(m, k, generator=gen).to(dtype).to(backend.device)
-        lw = LinearWeight.quantize(torch.randn(e, n, k, generator=gen) / k**0.5, fmt).to(backend.device)
-        group_sizes = torch.tensor(sizes, dtype=torch.int64, device=backend.device)
-        for always in (2, e):
-            torch.testing.assert_close(backend.grouped_linear(x, lw, group_sizes, always_used=always),
-                                       backend.grouped_linear(x, lw, group_sizes), rtol=0, atol=0)
-            torch.testing.assert_close(backend.gated_linear(x, lw, group_sizes, always_used=always),
-                                       backend.gated_linear(x, lw, group_sizes), rtol=0, atol=0)
-
-
 def _expert(lw: LinearWeight, g: int) -> LinearWeight:
     if lw.format.value == "dense":
         return LinearWeight.dense(lw.data[g])
