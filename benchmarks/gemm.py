@@ -101,7 +101,7 @@ def fp8_weight(n: int, k: int, groups: int | None = None) -> LinearWeight:
 
 def cfg_name(c: G.TileConfig) -> str:
     flags = [f for f, on in (("tma", c.tma), ("ws", c.ws)) if on]
-    return (f"{c.bm}x{c.bn} w{c.warps} s{c.stages}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
+    return (f"{c.bm}x{c.bn}x{c.bk} w{c.warps} s{c.stages}" + (f" sk{c.split_k}" if c.split_k > 1 else "")
             + (f" gm{c.group_m}" if c.group_m != 8 else "") + "".join(" " + f for f in flags))
 
 

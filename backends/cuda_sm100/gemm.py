@@ -81,8 +81,8 @@ def _num_sms(device: torch.device) -> int:
 # more, narrower CTAs spread it over more SMs. H200, V2-Lite shapes (benchmarks/gemm_decode.py at 93d74ad and
 # d6f57ec, 8 weight copies per graph, against 64-row tiles): batch 1 (one row per expert) gate/up+SiLU bf16
 # 27.0 vs 31.4 us, FP8 20.7 vs 27.1; down bf16 15.9 vs 17.5, FP8 10.7 vs 12.5; batch 32 (~4 rows per expert)
-# gate/up+SiLU bf16 175.9 vs 194.2, FP8 102.1 vs 130.4, down FP8 49.9 vs 51.6 but bf16 94.3 vs 90.5 (so bf16
-# down keeps 64-row tiles past 2 rows); FP8 q/kv_a at one row 10.7 vs 14.3.
+# gate/up+SiLU bf16 175.9 vs 194.2, FP8 102.1 vs 130.4, down FP8 49.9 vs 51.6 but bf16 94.3 vs 90.5 (with 64-wide
+# K steps; 128-wide ones, pick_config, beat both); FP8 q/kv_a at one row 10.7 vs 14.3.
 DECODE_GROUP_ROWS = 8
 DECODE_ROWS = 16
 
@@ -109,12 +109,21 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     bk = BLOCK if fp8 else 64
     stages = 5 if fp8 else 4
     decode = rows <= (DECODE_GROUP_ROWS if layout != 0 else DECODE_ROWS)
+    # Grouped decode tiles past 2 rows per group step K by 128 for bf16 as for FP8: half the loop trips of 64-wide
+    # steps for the same bytes per stage. H200, V2-Lite (2026-11-30): e2e batch 32 3163-3167 vs 3116-3118 tok/s;
+    # gemm_decode.py --sweep at batch 32 gate/up+SiLU 172.9 vs 181.6 us, down 91.2 vs 92.8 (the 64-row TMA tile
+    # it replaces). At batch 1 the sweep favoured them too (down 15.9 vs 17.3 us), but e2e lost 2% (381 vs 390
+    # tok/s, with or without MLA's short-K absorptions): one row per group keeps 64-wide steps, deeper pipelines.
+    # NVFP4's dequantised tile keeps 64.
+    wide_k = BLOCK if fp8 or (b_kind == 0 and rows > 2) else bk
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
         if decode:  # FP8: 128 columns, one quantisation group
-            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=bk, warps=4, stages=4)
+            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=wide_k, warps=4, stages=3 if wide_k > bk else 4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
-    if decode and layout != 0 and (fp8 or rows <= 2):  # bf16 at ~4 rows: 64-row TMA tiles measured faster
-        return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=4 if fp8 else 6)
+    if decode and layout != 0 and (wide_k > bk or fp8):
+        return TileConfig(bm=16, bn=128, bk=wide_k, warps=4, stages=4 if fp8 else 3)
+    if decode and layout != 0 and rows <= 2:  # past 2 rows, 64-wide K steps do better on the 64-row TMA tiles below
+        return TileConfig(bm=16, bn=128, bk=bk, warps=4, stages=6)
     sms = _num_sms(device)
     if layout != 0 and fp8:  # grouped FP8: the large-M tile below at every group size (H200, 2026-11-29: 8 x 512
         # rows 896 vs 805 TFLOPS for 128x128 / 8 warps; 256 experts top-8: 4096 tokens 627 vs 474, 128 tokens 34 vs 32-34)
