@@ -18,6 +18,7 @@ import torch
 
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
 from deepinfer.ops import FusedOps
+from deepinfer.quant import Fp8Activations
 from deepinfer.weights import LinearWeight
 
 T = TypeVar("T")
@@ -161,8 +162,10 @@ class Backend(ABC):
 
     # --- GEMM -----------------------------------------------------------------------------------
     @abstractmethod
-    def linear(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        """x [M, K] @ W^T -> [M, N] in x's dtype (FP8 weights: x quantised per token per 128 channels)."""
+    def linear(self, x: torch.Tensor | Fp8Activations, weight: LinearWeight) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N] in x's dtype (FP8 weights: x quantised per token per 128 channels). For
+        an fp8_block weight x may come quantised already (Fp8Activations, e.g. from ops.add_rms_norm(...,
+        quantize=True)): the result is then what the unquantised x would give."""
 
     @abstractmethod
     def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,

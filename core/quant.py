@@ -11,6 +11,8 @@ inside these functions only).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -64,6 +66,44 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK) -> tup
     scale = g.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(xp.shape)[..., :k].to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
+
+
+@dataclass(frozen=True)
+class Fp8Activations:
+    """Activations already quantised per token per 128 channels, as an FP8-weight linear would quantise them:
+    data float8_e4m3fn [T, K], scale float32 [T, ceil(K/128)] (any strides), and the dtype the GEMM's output
+    takes. ops.add_rms_norm(..., quantize=True) makes them for a norm whose only readers are FP8 projections,
+    so the quantisation rides in the norm's launch; Backend.linear takes them in place of x."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        from deepinfer.checks import FLOAT_DTYPES, check_tensor
+
+        check_tensor("activations", self.data, ndim=2, dtypes=(FP8_DTYPE,))
+        t, k = self.data.shape
+        check_tensor("activation scales", self.scale, shape=(t, cdiv(k, FP8_BLOCK)), dtypes=(torch.float32,),
+                     device=self.data.device)
+        if self.dtype not in FLOAT_DTYPES:
+            from deepinfer.errors import InvalidInputError
+
+            raise InvalidInputError(f"FP8 activations need a float output dtype, got {self.dtype}")
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> Fp8Activations:
+        """x [T, K] float -> its per-token-group quantisation (quantize_fp8_per_token_group), x's dtype kept."""
+        q, scale = quantize_fp8_per_token_group(x)
+        return cls(q, scale, x.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
 
 def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:

@@ -74,14 +74,16 @@ class CudaFusedOps(FusedOps):
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
         return NR.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
         if not _norm_kernel_takes(x):
-            return super().add_rms_norm(x, residual, weight, eps)
+            return super().add_rms_norm(x, residual, weight, eps, quantize=quantize)
         check_tensor("residual", residual, shape=list(x.shape), dtypes=(x.dtype,), device=x.device)
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
-        return NR.add_rms_norm(x, residual, weight, eps)
+        if quantize:  # the activation quantisation of an FP8 GEMM in the norm's launch
+            check_tensor("x", x, ndim=2)
+        return NR.add_rms_norm(x, residual, weight, eps, quantize)
 
     def apply_rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool,
                    validate: bool = True) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deepinfer import quant
-from deepinfer.backends.reference.gemm import INT_DTYPES, _check_weight, _check_x
+from deepinfer.backends.reference.gemm import INT_DTYPES, _check_weight, _check_x, check_fp8_activations
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
@@ -313,9 +313,18 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: LinearWeight, out_
 
 def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None, dense_triton: bool | None = None,
            batch_invariant: bool = False) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype. batch_invariant: fixed tiles (and no cuBLAS, which picks
-    kernels by M), so a row's result does not depend on the other rows."""
+    """x [..., K] @ W^T -> [..., N] in x's dtype; x may be quant.Fp8Activations (fp8_block weights). batch_invariant:
+    fixed tiles (and no cuBLAS, which picks kernels by M), so a row's result does not depend on the other rows."""
     weight = _check_weight(weight, 2)
+    if isinstance(x, quant.Fp8Activations):
+        check_fp8_activations(x, weight)
+        m, n = x.shape[0], weight.out_features
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m:
+            a = x.data if x.data.stride(-1) == 1 else x.data.contiguous()
+            _launch(a, x.scale, weight, out, layout=0, sizes=None, m=m, groups=1, cap=0, n=n, rows_hint=m, cfg=cfg,
+                    invariant=batch_invariant)
+        return out
     x = _check_x(x, weight)
     dense_triton = dense_triton or batch_invariant
     x2 = x.reshape(-1, weight.in_features)

@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import quant
 from deepinfer.backends.cuda_sm100.pdl import enter, launch_kwargs
 
 from deepinfer.backends.cuda_sm100.gemm import cdiv, interpreting, next_pow2
-from deepinfer.backends.cuda_sm100.gemm_kernels import _cast
+from deepinfer.backends.cuda_sm100.gemm_kernels import _cast, _quantize_rows
 
 MAX_NORM_DIM = 16384  # a whole row stays in registers; wider rows go to the reference
 _NORM_TILE = 4096  # elements per rms_norm program (rows are packed into a block up to this)
@@ -38,9 +39,10 @@ _ROPE_TILE = 2048  # pairs per rope program
 
 @triton.jit
 def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
-                   BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr, STORE: tl.constexpr = True):
     """Rows `rows` (< R live) of x [R, D] (unit column stride) -> o in o's dtype. HAS_RESIDUAL: the rows of
-    x + r [R, D], rounded to s's dtype and stored to s, are what gets normalised."""
+    x + r [R, D], rounded to s's dtype and stored to s, are what gets normalised. Returns the normalised rows
+    as rounded to o's dtype (float32 values) and their mask; STORE=False leaves o alone."""
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
     rows64 = rows.to(tl.int64)
@@ -55,19 +57,41 @@ def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr,
     # mean as sum / D with a correctly rounded division (Triton's `/` is approximate on the GPU)
     ms = tl.math.div_rn(tl.sum(x * x, axis=1), DF)
     r = tl.math.rsqrt(ms + eps)
-    y = (x * r[:, None]) * w[None, :]  # the reference's order: normalise, then scale
-    tl.store(o_ptr + rows64[:, None] * stride_or + cols[None, :], _cast(y, o_ptr.dtype.element_ty, EXACT), mask=mask)
+    y = _cast((x * r[:, None]) * w[None, :], o_ptr.dtype.element_ty, EXACT)  # normalise, then scale: the reference's order
+    if STORE:
+        tl.store(o_ptr + rows64[:, None] * stride_or + cols[None, :], y, mask=mask)
+    return y.to(tl.float32), mask
+
+
+@triton.jit
+def _store_fp8_groups(q_ptr, qs_ptr, y, mask, rows, R, D, stride_qr, stride_qsr, stride_qsk,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows y [BLOCK_R, BLOCK_D] quantised per 128 columns as quant_fp8_kernel does: e4m3 into q [R, D], one fp32
+    scale per group into qs (strided)."""
+    NG: tl.constexpr = BLOCK_D // 128
+    q, scale = _quantize_rows(tl.reshape(y, (BLOCK_R * NG, 128)), tl.reshape(mask, (BLOCK_R * NG, 128)))
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    tl.store(q_ptr + rows64[:, None] * stride_qr + cols[None, :], tl.reshape(q, (BLOCK_R, BLOCK_D)).to(tl.float8e4nv),
+             mask=mask)
+    g = tl.arange(0, NG)
+    tl.store(qs_ptr + rows64[:, None] * stride_qsr + g[None, :] * stride_qsk, tl.reshape(scale, (BLOCK_R, NG)),
+             mask=(rows[:, None] < R) & (g[None, :] * 128 < D))
 
 
 @triton.jit(do_not_specialize=["R"])
-def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, q_ptr, qs_ptr, R, D, DF, stride_xr, stride_rr, stride_or,
+                    stride_sr, stride_qr, stride_qsr, stride_qsk, eps,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """x [R, D] (+ r [R, D] into s) -> o [R, D]; DF = float(D); one block of BLOCK_R rows per program."""
+                    QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """x [R, D] (+ r [R, D] into s) -> o [R, D]; DF = float(D); one block of BLOCK_R rows per program. QUANT:
+    the normalised rows (rounded to o's dtype, o itself not written) go to q / qs as FP8 activations."""
     enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or, stride_sr, eps,
-                   BLOCK_D, HAS_RESIDUAL, EXACT)
+    y, mask = _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or,
+                             stride_sr, eps, BLOCK_D, HAS_RESIDUAL, EXACT, not QUANT)
+    if QUANT:
+        _store_fp8_groups(q_ptr, qs_ptr, y, mask, rows, R, D, stride_qr, stride_qsr, stride_qsk, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -158,23 +182,31 @@ def _warps(elems: int) -> int:
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+              quantize: bool = False):
     d = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if quantize:  # x [T, D]: e4m3 rows and column-major scales ([KB, T] transposed), as quantize_fp8 makes them
+        q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device)
+        qs = torch.empty(cdiv(d, quant.FP8_BLOCK), x.shape[0], dtype=torch.float32, device=x.device).t()
+        out = quant.Fp8Activations(q, qs, x.dtype)
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out, summed
     x2 = _rows_view(x, 0)
-    o2 = out.view(-1, d)
-    # without a residual the kernel never touches r / s: x and out stand in for them
+    # without a residual the kernel never touches r / s, nor o when quantising: x stands in for them
+    o2 = x2 if quantize else out.view(-1, d)
     r2, s2 = (x2, o2) if residual is None else (_rows_view(residual, 0), summed.view(-1, d))
+    q2, qs2 = (q, qs) if quantize else (o2, o2)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     r = x2.shape[0]
-    bd = next_pow2(d)
+    bd = max(next_pow2(d), quant.FP8_BLOCK if quantize else 1)  # quantising takes whole 128-column groups
     br = max(1, min(next_pow2(r), _NORM_TILE // bd))
-    rms_norm_kernel[(cdiv(r, br),)](x2, r2, w, o2, s2, r, d, float(d), x2.stride(0), r2.stride(0), o2.stride(0),
-                                    s2.stride(0), float(eps), BLOCK_R=br, BLOCK_D=bd,
-                                    HAS_RESIDUAL=residual is not None, EXACT=interpreting(),
+    rms_norm_kernel[(cdiv(r, br),)](x2, r2, w, o2, s2, q2, qs2, r, d, float(d), x2.stride(0), r2.stride(0),
+                                    o2.stride(0), s2.stride(0), q2.stride(0), qs2.stride(0), qs2.stride(1) if quantize else 0,
+                                    float(eps), BLOCK_R=br, BLOCK_D=bd,
+                                    HAS_RESIDUAL=residual is not None, EXACT=interpreting(), QUANT=quantize,
                                     num_warps=_warps(br * bd), enable_fp_fusion=False,
                                     **launch_kwargs())
     return out, summed
@@ -185,10 +217,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps, None)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated x, residual [..., D] of one dtype -> (RMSNorm(x + residual), x + residual), one launch."""
-    return _rms_norm(x, weight, eps, residual)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+                 ) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
+    """Validated x, residual [..., D] of one dtype -> (RMSNorm(x + residual), x + residual), one launch; quantize
+    (x [T, D], D >= 128): the norm as Fp8Activations (quant_fp8_kernel's values of the rounded norm)."""
+    return _rms_norm(x, weight, eps, residual, quantize)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -36,24 +36,40 @@ def _check_x(x: object, weight: LinearWeight, ndim: int | None = None) -> torch.
     return x
 
 
+def check_fp8_activations(x: quant.Fp8Activations, weight: LinearWeight) -> None:
+    """Pre-quantised activations fit this weight: an fp8_block weight on their device, K = in_features."""
+    if weight.format is not WeightFormat.FP8_BLOCK:
+        raise InvalidInputError(f"FP8 activations need an fp8_block weight, got a {weight.format.value} one")
+    if x.device != weight.device:
+        raise InvalidInputError(f"FP8 activations are on {x.device}, the weight on {weight.device}")
+    if x.shape[-1] != weight.in_features:
+        raise InvalidInputError(f"FP8 activations have shape {list(x.shape)}; their last dimension must be "
+                                f"in_features={weight.in_features}")
+
+
 def _pad_k(t: torch.Tensor, k: int) -> torch.Tensor:
     return F.pad(t, (0, k - t.shape[-1])) if t.shape[-1] != k else t
 
 
 def _fp8_matmul(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     """x [M, K] float @ one fp8_block weight -> [M, N] float32, with per-(token-group, block) promotion."""
+    if x.shape[0] == 0:  # quantize_fp8_per_token_group cannot reshape an empty batch
+        return torch.empty(0, weight.out_features, dtype=torch.float32, device=x.device)
+    return _fp8_matmul_quantised(*quant.quantize_fp8_per_token_group(x, quant.FP8_BLOCK), weight)
+
+
+def _fp8_matmul_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    """Quantised activations (e4m3 [M, K], fp32 scales [M, KB]) @ one fp8_block weight -> [M, N] float32."""
     b = quant.FP8_BLOCK
-    m, k = x.shape
+    m, k = xq.shape
     n = weight.out_features
-    if m == 0:  # quantize_fp8_per_token_group cannot reshape an empty batch
-        return torch.empty(0, n, dtype=torch.float32, device=x.device)
     kb = quant.cdiv(k, b)
-    xq, xs = quant.quantize_fp8_per_token_group(x, b)  # [M, K] e4m3, [M, KB] fp32
+    xs = xs.float()
     # Zero padding of K to whole blocks adds nothing to any block's partial product.
     xb = _pad_k(xq.float(), kb * b).view(m, kb, b).transpose(0, 1)  # [KB, M, b]
     wb = _pad_k(weight.data.float(), kb * b).view(n, kb, b).permute(1, 2, 0)  # [KB, b, N]
     ws = weight.scale.float().repeat_interleave(b, dim=0)[:n].t()  # [KB, N]: scale_inv of each output row's block
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=torch.float32, device=xq.device)
     rows = max(1, _FP8_CHUNK_ELEMS // max(1, kb * n))
     for s in range(0, m, rows):  # chunks only bound memory; each row's math is independent of the chunking
         part = torch.bmm(xb[:, s : s + rows], wb)  # [KB, r, N] per-block partial products
@@ -81,9 +97,19 @@ def _expert(weight: LinearWeight, g: int) -> LinearWeight:
     return LinearWeight(weight.data[g], weight.format, weight.in_features, pick(weight.scale), pick(weight.global_scale))
 
 
-def linear(x: torch.Tensor, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype."""
+def linear(x: torch.Tensor | quant.Fp8Activations, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype; x may be Fp8Activations (fp8_block weights only)."""
     weight = _check_weight(weight, 2)
+    if isinstance(x, quant.Fp8Activations):
+        check_fp8_activations(x, weight)
+        m = x.shape[0]
+        if m == 0:
+            return torch.empty(0, weight.out_features, dtype=x.dtype, device=x.device)
+        if row_wise:  # as _matmul: one GEMV per row
+            out = torch.cat([_fp8_matmul_quantised(x.data[i : i + 1], x.scale[i : i + 1], weight) for i in range(m)])
+        else:
+            out = _fp8_matmul_quantised(x.data, x.scale, weight)
+        return out.to(x.dtype)
     x = _check_x(x, weight)
     out = _matmul(x.reshape(-1, weight.in_features), weight, row_wise)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)

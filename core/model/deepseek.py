@@ -88,8 +88,9 @@ class DecoderLayer:
         ops = self.backend.ops
         if residual is None:
             normed, residual = ops.rms_norm(x, self.input_layernorm, self.eps), x
-        else:
-            normed, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        else:  # FP8 attention projections take the norm quantised (in the norm's launch where the backend can)
+            normed, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps,
+                                                quantize=self.self_attn.takes_fp8_input)
         attn = self.self_attn.forward(normed, ctx, self.index)
         normed, residual = ops.add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
         if isinstance(self.mlp, MoE):

@@ -20,7 +20,8 @@ from deepinfer.backend import Backend
 from deepinfer.config import ModelConfig
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.mlp import concat_out_features
-from deepinfer.weights import LinearWeight
+from deepinfer.quant import Fp8Activations
+from deepinfer.weights import LinearWeight, WeightFormat
 
 
 DECOMPRESS_MIN_QUERIES = 128
@@ -46,6 +47,8 @@ class MLAttention:
         self.kv_a_width = kv_a.out_features
         self.q_kv_a = concat_out_features(q_first, kv_a)
         self.q_first, self.kv_a = (None, None) if self.q_kv_a is not None else (q_first, kv_a)
+        # forward's input feeds only this GEMM: with FP8 weights it may come quantised (quant.Fp8Activations)
+        self.takes_fp8_input = self.q_kv_a is not None and self.q_kv_a.format is WeightFormat.FP8_BLOCK
         if self.q_lora_rank is not None:
             self.q_a_layernorm = weights["q_a_layernorm"]
             self.q_b_proj = weights["q_b_proj"]
@@ -77,7 +80,7 @@ class MLAttention:
         out = self.backend.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False)
         return out.view(h, t, -1).transpose(0, 1)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activations, ctx: ForwardContext, layer: int) -> torch.Tensor:
         be, ops = self.backend, self.backend.ops
         t = x.shape[0]
         if self.q_kv_a is not None:

@@ -30,10 +30,16 @@ class FusedOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype)."""
-        return add_rms_norm(x, residual, weight, eps)
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
+        """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype).
+        quantize (x [T, D]): the norm comes back as Fp8Activations.quantize(rms_norm(summed)), for FP8
+        projections (a backend may quantise in the norm's own launch; the values are the same)."""
+        normed, summed = add_rms_norm(x, residual, weight, eps)
+        if quantize:
+            check_tensor("x", x, ndim=2)
+            return quant.Fp8Activations.quantize(normed), summed
+        return normed, summed
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)

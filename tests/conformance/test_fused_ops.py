@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer import ops as reference_ops
+from deepinfer import quant
 from deepinfer.errors import InvalidInputError
 from deepinfer.ops import FusedOps, RopeSpec, RoutingSpec, YarnScaling
 
@@ -337,6 +338,24 @@ def test_add_rms_norm_3d(backend, gen, no_norm_rope_fallback):
     want_normed, want_summed = reference_ops.add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), 1e-5)
     assert torch.equal(summed.cpu(), want_summed)
     _assert_norm_matches(normed.cpu(), want_normed)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 2048), (7, 512), (5, 200), (3, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_quantised_is_norm_then_quantise(backend, gen, rows, d, dtype, no_norm_rope_fallback):
+    """quantize=True hands the norm over as FP8 activations: bit for bit this backend's add_rms_norm, then its
+    per-token-group quantisation, which is what an FP8 linear would have computed from the plain norm."""
+    x = _randn(gen, rows, d, dtype=dtype, device=backend.device)
+    residual = _randn(gen, rows, d, dtype=dtype, device=backend.device) * 3
+    w = _randn(gen, d, dtype=dtype, device=backend.device)
+    fa, summed = backend.ops.add_rms_norm(x, residual, w, 1e-6, quantize=True)
+    normed, want_summed = backend.ops.add_rms_norm(x, residual, w, 1e-6)
+    q, scale = backend.ops.quantize_fp8_per_token_group(normed)
+    assert isinstance(fa, quant.Fp8Activations) and fa.dtype == dtype and tuple(fa.shape) == (rows, d)
+    assert torch.equal(summed, want_summed)
+    assert torch.equal(fa.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(fa.scale, scale)
+    with pytest.raises(InvalidInputError, match="x"):
+        backend.ops.add_rms_norm(x[None], residual[None], w, 1e-6, quantize=True)  # [T, D] only
 
 
 def _mla_inputs(gen, t, heads, rank, rope, dtype, device, kv_slice):

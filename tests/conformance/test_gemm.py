@@ -144,6 +144,27 @@ def test_gated_linear_is_silu_of_gate_times_up(backend, gen, fmt, sizes, dtype):
     assert _rel_err(out.float(), ref) < tol
 
 
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_quantised_activations(backend, gen, m, dtype):
+    """FP8 activations quantised ahead (quant.Fp8Activations, row- or column-major scales) give exactly what
+    linear computes from the unquantised rows; they need an fp8_block weight of their K."""
+    k, n = 300, 136
+    x = torch.randn(m, k, generator=gen).to(dtype).to(backend.device)
+    lw = LinearWeight.quantize(torch.randn(n, k, generator=gen) / k**0.5, "fp8_block").to(backend.device)
+    q, scale = backend.ops.quantize_fp8_per_token_group(x)
+    want = backend.linear(x, lw)
+    for s in (scale, scale.t().contiguous().t()):
+        out = backend.linear(quant.Fp8Activations(q, s, dtype), lw)
+        assert out.dtype == dtype and torch.equal(out, want)
+    with pytest.raises(InvalidInputError, match="fp8_block"):
+        backend.linear(quant.Fp8Activations(q, scale, dtype), LinearWeight.quantize(torch.randn(n, k), "dense").to(backend.device))
+    with pytest.raises(InvalidInputError, match="in_features"):
+        backend.linear(quant.Fp8Activations(q[:, :256], scale[:, :2], dtype), lw)
+    with pytest.raises(InvalidInputError, match="scales"):
+        quant.Fp8Activations(q, scale[:, :1], dtype)
+
+
 def _expert(lw: LinearWeight, g: int) -> LinearWeight:
     if lw.format.value == "dense":
         return LinearWeight.dense(lw.data[g])
