@@ -17,11 +17,21 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
 from deepinfer.ops import FusedOps
 from deepinfer.quant import Fp8Activations
 from deepinfer.weights import LinearWeight
 
 T = TypeVar("T")
+
+
+def check_per_head(x: object, weight: object) -> None:
+    """per_head_linear's inputs: x [T, H, K] float, weight a stacked [H, N, K] LinearWeight on x's device."""
+    if not isinstance(weight, LinearWeight) or weight.data.dim() != 3:
+        raise InvalidInputError("per-head weight must be a stacked [H, N, K] LinearWeight")
+    check_tensor("x", x, ndim=3, shape=[None, weight.num_groups, weight.in_features], dtypes=FLOAT_DTYPES,
+                 device=weight.device)
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,21 @@ class Backend(ABC):
         if group_sizes is None:
             return self.ops.silu_and_mul(self.linear(x, gate_up))
         return self.ops.silu_and_mul(self.grouped_linear(x, gate_up, group_sizes, validate=validate))
+
+    def per_head_linear(self, x: torch.Tensor, weight: LinearWeight, *, quantize: bool = False
+                        ) -> torch.Tensor | Fp8Activations:
+        """x [T, H, K] @ weight[h]^T for each head h (weight stacked [H, N, K]) -> [T, H, N] in x's dtype: MLA's
+        absorbed projections. quantize: the rows [T, H * N] as Fp8Activations, ready for an FP8 projection.
+        By default a grouped_linear with heads as groups, with transposed copies around it; a backend may read
+        and write the per-token layout in place."""
+        check_per_head(x, weight)
+        t, h, k = x.shape
+        sizes = torch.full((h,), t, dtype=torch.int64, device=x.device)
+        out = self.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False)
+        out = out.view(h, t, -1).transpose(0, 1)
+        if quantize:
+            return Fp8Activations(*self.ops.quantize_fp8_per_token_group(out.reshape(t, -1)), x.dtype)
+        return out
 
     # --- communication --------------------------------------------------------------------------
     @abstractmethod

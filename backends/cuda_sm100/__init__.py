@@ -151,6 +151,20 @@ class CudaSM100Backend(ReferenceBackend):
 
         return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
 
+    def per_head_linear(self, x, weight, *, quantize=False):
+        from deepinfer.backend import check_per_head
+        from deepinfer.backends.cuda_sm100 import gemm
+        from deepinfer.quant import FP8_BLOCK
+        from deepinfer.weights import WeightFormat
+
+        check_per_head(x, weight)
+        # One launch over the per-token layout (no transposed copies; the quantisation in its epilogue) for
+        # 16-bit or float32 dense weights in x's dtype, as MLA's absorbed projections are.
+        if (self._triton_runs_here() and weight.format is WeightFormat.DENSE and x.dtype == weight.data.dtype
+                and (not quantize or weight.out_features % FP8_BLOCK == 0)):
+            return gemm.per_head_linear(x, weight, quantize, batch_invariant=self.batch_invariant)
+        return super().per_head_linear(x, weight, quantize=quantize)
+
     def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
         from deepinfer.backends.cuda_sm100 import gemm
 

@@ -216,8 +216,10 @@ def _compute_dtype(x_dtype: torch.dtype, weight: LinearWeight) -> torch.dtype:
 
 def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int, groups: int, cap: int, n: int,
             rows_hint: int, out_scale=None, fused: bool = False, round_dtype=None, cfg: TileConfig | None = None,
-            invariant: bool = False):
-    """One launch of gemm_kernel: a [rows, K] (e4m3 with a_scale, or float), weight [G?, N_b, K] -> out [rows, n]."""
+            invariant: bool = False, group_strides: tuple[int, int, int] = (0, 0, 0)):
+    """One launch of gemm_kernel: a [rows, K] (e4m3 with a_scale, or float), weight [G?, N_b, K] -> out [rows, n].
+    Layout 3 (strided groups of cap rows each): a, out and out_scale rows of group g start at g times
+    group_strides (a, out, out_scale) and step by their stride(0)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b_kind = _b_kind(weight)
@@ -236,7 +238,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     cfg = cfg or pick_config(rows_hint, n, k, b_kind, layout if not invariant else 1, a.device, fused, ieee)
     even_k = k % cfg.bk == 0
     # TMA needs 16-byte aligned bases and row strides (else the same kernel loads through pointers).
-    use_tma = (cfg.tma and b_kind != 2 and (k * a.element_size()) % 16 == 0 and (k * w.element_size()) % 16 == 0
+    use_tma = (cfg.tma and b_kind != 2 and layout != 3 and (k * a.element_size()) % 16 == 0 and (k * w.element_size()) % 16 == 0
                and (a.stride(0) * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                and w.stride(1) == k and w.stride(0) == w.shape[1] * k)
     a_arg, b_arg = a, w
@@ -244,7 +246,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         a_arg = TensorDescriptor(a, list(a.shape), list(a.stride()), [cfg.bm, cfg.bk])
         w2 = w.reshape(-1, w.shape[-1])
         b_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [cfg.bn, cfg.bk])
-    split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused else 1
+    split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused and layout != 3 else 1
     # Under PDL a one-matrix GEMM asks for its weight rows in L2 before waiting for the kernel before it (which
     # never writes them): at decode sizes their streaming then starts during that kernel's tail.
     prefetch = 0
@@ -272,7 +274,7 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         m, n, k, groups, cap,
         a.stride(0), *s_as,
         w.stride(0), w.stride(1), w.stride(2), *s_bs,
-        out.stride(0), *s_cs, m * n, m_tiles,
+        out.stride(0), *s_cs, m * n, m_tiles, *group_strides,
         A_FP8=a_fp8, B_KIND=b_kind, LAYOUT=layout, FUSE_SILU=fused, QUANT_OUT=quant_out, SPLIT_K=split, IS_SPLIT=split > 1,
         EVEN_K=even_k, USE_TMA=use_tma, COMPUTE=_tl_dtype(compute), IEEE=ieee,
         ROUND_OUT=_tl_dtype(round_dtype or torch.float32), BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
@@ -393,6 +395,37 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
         _launch(a, a_scale, weight, out.view(groups * cap, n), layout=2, sizes=counts, m=groups * cap, groups=groups,
                 cap=cap, n=n, rows_hint=cap, cfg=cfg)
     return out
+
+
+def per_head_linear(x: torch.Tensor, weight: LinearWeight, quantize: bool = False, cfg: TileConfig | None = None,
+                    batch_invariant: bool = False) -> torch.Tensor | quant.Fp8Activations:
+    """x [T, H, K] (any token and head strides) @ weight[h]^T per head h -> [T, H, N] in x's dtype, or with
+    `quantize` the [T, H * N] rows as quant.Fp8Activations (N a multiple of 128): one launch that reads and
+    writes the per-token layout in place (layout 3), where the grouped layout needs transposed copies.
+    Dense weights with x in their dtype; the callers (CudaSM100Backend.per_head_linear) check that."""
+    t, h, k = x.shape
+    n = weight.out_features
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if quantize:
+        data = torch.empty(t, h * n, dtype=quant.FP8_DTYPE, device=x.device)
+        scale = torch.empty(t, h * n // BLOCK, dtype=torch.float32, device=x.device)
+        out, result = data.view(t, h, n), quant.Fp8Activations(data, scale, x.dtype)
+        strides = (x.stride(1), n, n // BLOCK)
+    else:
+        out = result = torch.empty(t, h, n, dtype=x.dtype, device=x.device)
+        scale, strides = None, (x.stride(1), n, 0)
+    if t:
+        ieee = _compute_dtype(x.dtype, weight) == torch.float32
+        cfg = cfg or pick_config(64 if batch_invariant else t, n, k, _b_kind(weight), 1 if batch_invariant else 2,
+                                 x.device, ieee=ieee)
+        # 128-wide tiles: a tile row is one quantisation group, and quantised or not the sums run alike (so the
+        # quantised rows are exactly the plain rows quantised)
+        if n % BLOCK == 0 and cfg.bn != BLOCK:
+            cfg = replace(cfg, bn=BLOCK)
+        _launch(x, None, weight, out, layout=3, sizes=None, m=h * t, groups=h, cap=t, n=n, rows_hint=t,
+                out_scale=scale, round_dtype=x.dtype, cfg=cfg, group_strides=strides)
+    return result
 
 
 def fuse_gate_up(rows: int, groups: int) -> bool:

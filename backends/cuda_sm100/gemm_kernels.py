@@ -6,9 +6,11 @@ promotion of FP8 partial products) are written once:
   A_FP8   activations are e4m3 with fp32 scales per token per 128 channels (else float, cast in-kernel)
   B_KIND  0 dense float, 1 fp8 128x128 blocks, 2 nvfp4 (dequantised in registers, weight-only)
   LAYOUT  0 one matrix, 1 contiguous rows sorted by group (sizes on the device, no host sync),
-          2 masked: A is [G, cap, K] with a row count per group (decode under CUDA graphs)
+          2 masked: A is [G, cap, K] with a row count per group (decode under CUDA graphs),
+          3 strided groups: every group has cap rows, A / C / C-scale rows at g * stride_*g + row * stride_*m
+            (per-head GEMMs reading [T, H, K] and writing [T, H, N] in place)
   FUSE_SILU  B holds [gate; up] (2I rows); the tile computes silu(gate) * up for I columns
-  QUANT_OUT  the fused output is written as e4m3 + per-128 scales, ready for the down projection
+  QUANT_OUT  the output (fused or not) is written as e4m3 + per-128 scales, ready for an FP8 GEMM
 Every kernel runs under TRITON_INTERPRET=1 on CPU tensors too.
 """
 
@@ -118,8 +120,11 @@ def _tile_rows(pid_m, sizes_ptr, M, G, cap, LAYOUT: tl.constexpr, BM: tl.constex
     else:
         tiles_per_group = (cap + BM - 1) // BM
         g = pid_m // tiles_per_group
-        count = tl.load(sizes_ptr + g).to(tl.int32)
-        count = tl.minimum(tl.maximum(count, 0), cap)
+        if LAYOUT == 3:  # every group full
+            count = cap + pid_m * 0
+        else:
+            count = tl.load(sizes_ptr + g).to(tl.int32)
+            count = tl.minimum(tl.maximum(count, 0), cap)
         row0 = g * cap + (pid_m % tiles_per_group) * BM
         return g, row0, g * cap + count
 
@@ -141,7 +146,7 @@ def gemm_kernel(
     M, N, K, G, cap,
     stride_am, stride_asm, stride_ask,
     stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-    stride_cm, stride_csm, stride_csk, stride_cw, M_TILES,
+    stride_cm, stride_csm, stride_csk, stride_cw, M_TILES, stride_ag, stride_cg, stride_csg,
     A_FP8: tl.constexpr, B_KIND: tl.constexpr, LAYOUT: tl.constexpr, FUSE_SILU: tl.constexpr,
     QUANT_OUT: tl.constexpr, SPLIT_K, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     COMPUTE: tl.constexpr, IEEE: tl.constexpr, ROUND_OUT: tl.constexpr,
@@ -193,7 +198,10 @@ def gemm_kernel(
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
 
     if not USE_TMA:  # with TMA, a_ptr / b_ptr are tensor descriptors
-        a_rows = a_ptr + safe_m[:, None] * stride_am
+        if LAYOUT == 3:
+            a_rows = a_ptr + g64 * stride_ag + (safe_m - g64 * cap)[:, None] * stride_am
+        else:
+            a_rows = a_ptr + safe_m[:, None] * stride_am
         b_rows = b_ptr + g64 * stride_bg + safe_n[:, None].to(tl.int64) * stride_bn
     up_off = tl.cast(N, tl.int64) * stride_bn  # B rows N.. 2N-1 are the up projection
     if A_FP8:
@@ -289,7 +297,13 @@ def gemm_kernel(
     col_ok = offs_n < N
     out_mask = row_ok[:, None] & col_ok[None, :]
     offs_m64 = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + offs_m64[:, None] * stride_cm + offs_n[None, :]
+    if LAYOUT == 3:
+        c_rows = g64 * stride_cg + (offs_m64 - g64 * cap) * stride_cm
+        s_rows = g64 * stride_csg + (offs_m64 - g64 * cap) * stride_csm
+    else:
+        c_rows = offs_m64 * stride_cm
+        s_rows = offs_m64 * stride_csm
+    c_ptrs = c_ptr + c_rows[:, None] + offs_n[None, :]
     if IS_SPLIT:
         tl.store(c_ptrs + pid_k.to(tl.int64) * stride_cw, acc, mask=out_mask)
         return
@@ -299,12 +313,14 @@ def gemm_kernel(
         gate = _cast(acc, ROUND_OUT, EXACT).to(tl.float32)
         up = _cast(acc_up, ROUND_OUT, EXACT).to(tl.float32)
         acc = _cast(gate / (1.0 + tl.exp(-gate)) * up, ROUND_OUT, EXACT).to(tl.float32)
-        if QUANT_OUT:
-            # BN == 128 == the quantisation group, so each row of the tile is one token group.
-            q, scale = _quantize_rows(acc, out_mask)
-            tl.store(c_ptrs, q.to(tl.float8e4nv), mask=out_mask)
-            tl.store(cs_ptr + offs_m64 * stride_csm + pid_n * stride_csk, scale, mask=row_ok)
-            return
+    elif QUANT_OUT:  # the output as the activation dtype holds it, then quantised: as the unfused pair does
+        acc = _cast(acc, ROUND_OUT, EXACT).to(tl.float32)
+    if QUANT_OUT:
+        # BN == 128 == the quantisation group, so each row of the tile is one token group.
+        q, scale = _quantize_rows(acc, out_mask)
+        tl.store(c_ptrs, q.to(tl.float8e4nv), mask=out_mask)
+        tl.store(cs_ptr + s_rows + pid_n * stride_csk, scale, mask=row_ok)
+        return
     tl.store(c_ptrs, _cast(acc, c_ptr.dtype.element_ty, EXACT), mask=out_mask)
 
 

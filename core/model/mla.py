@@ -66,19 +66,8 @@ class MLAttention:
         self.decompress_prefill = backend.capabilities.decompressed_prefill
         # The same map as one [H * (nope + v), kv_lora_rank] projection, for decompressing cached latents.
         self.kv_b = LinearWeight.dense(kv_b.reshape(-1, self.kv_lora_rank).to(dtype))
-        self._head_groups: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-    def _per_head(self, x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        """[T, H, K] @ weight[h]^T for each head h -> [T, H, N], as one grouped GEMM with heads as groups."""
-        t, h, k = x.shape
-        key = (t, x.device)
-        sizes = self._head_groups.get(key)
-        if sizes is None:
-            sizes = self._head_groups[key] = torch.full((h,), t, dtype=torch.int64, device=x.device)
-            if len(self._head_groups) > 64:  # bounded: shapes vary per step
-                self._head_groups = {key: sizes}
-        out = self.backend.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False)
-        return out.view(h, t, -1).transpose(0, 1)
+        # o_proj's input comes out of the last absorbed projection; FP8 o_proj takes it quantised from there
+        self.fp8_o_input = self.o_proj.format is WeightFormat.FP8_BLOCK
 
     def forward(self, x: torch.Tensor | Fp8Activations, ctx: ForwardContext, layer: int) -> torch.Tensor:
         be, ops = self.backend, self.backend.ops
@@ -102,10 +91,10 @@ class MLAttention:
         if self.decompress_prefill and min(ctx.plan.batch.query_lens) >= DECOMPRESS_MIN_QUERIES:
             out = self._decompressed(ctx, cache, q_nope, q_pe)
             return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
-        q_latent = self._per_head(q_nope, self.w_uk_t)
+        q_latent = be.per_head_linear(q_nope, self.w_uk_t)
         out_latent = be.run_attention(ctx.plan, cache, q_latent, q_pe, self.softmax_scale)
-        out = self._per_head(out_latent, self.w_uv)
-        return be.linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
+        out = be.per_head_linear(out_latent, self.w_uv, quantize=self.fp8_o_input)
+        return be.linear(out if self.fp8_o_input else out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
 
     def _decompressed(self, ctx: ForwardContext, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Each sequence's keys and values rebuilt from its cached latents, then causal dense attention of its

@@ -165,6 +165,28 @@ def test_linear_takes_quantised_activations(backend, gen, m, dtype):
         quant.Fp8Activations(q, scale[:, :1], dtype)
 
 
+@pytest.mark.parametrize("t", [1, 3, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_linear(backend, gen, t, dtype):
+    """MLA's absorbed projections: x [T, H, K] (a strided view, as q[..., :nope] is) @ weight[h]^T per head,
+    against float64 math; quantize=True gives exactly this backend's quantisation of its own [T, H * N] rows."""
+    h, k, n = 4, 64, 128
+    x = torch.randn(t, h, k + 32, generator=gen).to(dtype).to(backend.device)[..., :k]
+    w = LinearWeight.dense((torch.randn(h, n, k, generator=gen) / k**0.5).to(dtype).to(backend.device))
+    out = backend.per_head_linear(x, w)
+    assert out.shape == (t, h, n) and out.dtype == dtype
+    ref = torch.einsum("thk,hnk->thn", x.cpu().double(), w.data.cpu().double())
+    assert _rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    fa = backend.per_head_linear(x, w, quantize=True)
+    q, scale = backend.ops.quantize_fp8_per_token_group(out.reshape(t, h * n))
+    assert isinstance(fa, quant.Fp8Activations) and fa.dtype == dtype and tuple(fa.shape) == (t, h * n)
+    assert torch.equal(fa.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(fa.scale, scale)
+    with pytest.raises(InvalidInputError, match="x"):
+        backend.per_head_linear(x[:, :3], w)  # three heads for a four-head weight
+    with pytest.raises(InvalidInputError, match="stacked"):
+        backend.per_head_linear(x, LinearWeight.dense(w.data[0]))
+
+
 def _expert(lw: LinearWeight, g: int) -> LinearWeight:
     if lw.format.value == "dense":
         return LinearWeight.dense(lw.data[g])
