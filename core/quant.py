@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = 128
@@ -80,15 +83,11 @@ class Fp8Activations:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        from deepinfer.checks import FLOAT_DTYPES, check_tensor
-
         check_tensor("activations", self.data, ndim=2, dtypes=(FP8_DTYPE,))
         t, k = self.data.shape
         check_tensor("activation scales", self.scale, shape=(t, cdiv(k, FP8_BLOCK)), dtypes=(torch.float32,),
                      device=self.data.device)
         if self.dtype not in FLOAT_DTYPES:
-            from deepinfer.errors import InvalidInputError
-
             raise InvalidInputError(f"FP8 activations need a float output dtype, got {self.dtype}")
 
     @classmethod

@@ -35,11 +35,10 @@ class FusedOps:
         """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype).
         quantize (x [T, D]): the norm comes back as Fp8Activations.quantize(rms_norm(summed)), for FP8
         projections (a backend may quantise in the norm's own launch; the values are the same)."""
-        normed, summed = add_rms_norm(x, residual, weight, eps)
         if quantize:
             check_tensor("x", x, ndim=2)
-            return quant.Fp8Activations.quantize(normed), summed
-        return normed, summed
+        normed, summed = add_rms_norm(x, residual, weight, eps)
+        return (quant.Fp8Activations.quantize(normed) if quantize else normed), summed
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
