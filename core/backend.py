@@ -202,6 +202,7 @@ class Backend(ABC):
         and write the per-token layout in place."""
         check_per_head(x, weight)
         t, h, k = x.shape
+        # Made per call (one small fill): a cached tensor that a later shape evicts would dangle in a CUDA graph.
         sizes = torch.full((h,), t, dtype=torch.int64, device=x.device)
         out = self.grouped_linear(x.transpose(0, 1).reshape(h * t, k), weight, sizes, validate=False)
         out = out.view(h, t, -1).transpose(0, 1)
