@@ -220,7 +220,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
                  ) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
     """Validated x, residual [..., D] of one dtype -> (RMSNorm(x + residual), x + residual), one launch; quantize
-    (x [T, D], D >= 128): the norm as Fp8Activations (quant_fp8_kernel's values of the rounded norm)."""
+    (x [T, D]): the norm as Fp8Activations (quant_fp8_kernel's values of the rounded norm)."""
     return _rms_norm(x, weight, eps, residual, quantize)
 
 
