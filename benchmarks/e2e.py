@@ -248,7 +248,8 @@ def profile_graph_replay(engine, batch: int, replays: int = 5, top: int = 30) ->
         sync(engine.backend.device)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
     if not kernels:
         print("  (the profiler saw no kernels inside the graph)")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 
-from deepinfer.backend import Capabilities, Probe
+from deepinfer.backend import Capabilities, Probe, check_per_head
 from deepinfer.backends.reference import ReferenceBackend
+from deepinfer.quant import FP8_BLOCK
+from deepinfer.weights import WeightFormat
 
 MIN_CAPABILITY = (9, 0)
 INTERPRETER_ENV = "TRITON_INTERPRET"
@@ -152,10 +154,7 @@ class CudaSM100Backend(ReferenceBackend):
         return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
 
     def per_head_linear(self, x, weight, *, quantize=False):
-        from deepinfer.backend import check_per_head
         from deepinfer.backends.cuda_sm100 import gemm
-        from deepinfer.quant import FP8_BLOCK
-        from deepinfer.weights import WeightFormat
 
         check_per_head(x, weight)
         # One launch over the per-token layout (no transposed copies; the quantisation in its epilogue) for

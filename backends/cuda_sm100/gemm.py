@@ -216,10 +216,11 @@ def _compute_dtype(x_dtype: torch.dtype, weight: LinearWeight) -> torch.dtype:
 
 def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int, groups: int, cap: int, n: int,
             rows_hint: int, out_scale=None, fused: bool = False, round_dtype=None, cfg: TileConfig | None = None,
-            invariant: bool = False, group_strides: tuple[int, int, int] = (0, 0, 0)):
+            invariant: bool = False, group_strides: tuple[int, int, int] = (0, 0, 0), tile_n: int | None = None):
     """One launch of gemm_kernel: a [rows, K] (e4m3 with a_scale, or float), weight [G?, N_b, K] -> out [rows, n].
     Layout 3 (strided groups of cap rows each): a, out and out_scale rows of group g start at g times
-    group_strides (a, out, out_scale) and step by their stride(0)."""
+    group_strides (a, out, out_scale) and step by their stride(0). tile_n: the tile width the caller needs
+    (a quantised output's 128-column groups), whatever the configuration says."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b_kind = _b_kind(weight)
@@ -236,6 +237,8 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     if invariant:  # batch-invariant mode: one tile shape whatever M is, no split-K: a row's sums run in a fixed order
         rows_hint = 64
     cfg = cfg or pick_config(rows_hint, n, k, b_kind, layout if not invariant else 1, a.device, fused, ieee)
+    if tile_n is not None and cfg.bn != tile_n:
+        cfg = replace(cfg, bn=tile_n)
     even_k = k % cfg.bk == 0
     # TMA needs 16-byte aligned bases and row strides (else the same kernel loads through pointers).
     use_tma = (cfg.tma and b_kind != 2 and layout != 3 and (k * a.element_size()) % 16 == 0 and (k * w.element_size()) % 16 == 0
@@ -303,13 +306,14 @@ def _prepare_a(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | No
 
 # --- public entry points --------------------------------------------------------------------------
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: LinearWeight, out_dtype=torch.bfloat16,
-             cfg: TileConfig | None = None) -> torch.Tensor:
+             cfg: TileConfig | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Pre-quantised e4m3 activations [M, K] + scales [M, KB] (any strides) @ an fp8_block weight -> out_dtype."""
     m = xq.shape[0]
     out = torch.empty(m, weight.out_features, dtype=out_dtype, device=xq.device)
     if m:
+        xq = xq if xq.stride(-1) == 1 else xq.contiguous()  # the kernel steps along K by pointer offsets
         _launch(xq, x_scale, weight, out, layout=0, sizes=None, m=m, groups=1, cap=0, n=weight.out_features,
-                rows_hint=m, cfg=cfg)
+                rows_hint=m, cfg=cfg, invariant=batch_invariant)
     return out
 
 
@@ -320,13 +324,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
     weight = _check_weight(weight, 2)
     if isinstance(x, quant.Fp8Activations):
         check_fp8_activations(x, weight)
-        m, n = x.shape[0], weight.out_features
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        if m:
-            a = x.data if x.data.stride(-1) == 1 else x.data.contiguous()
-            _launch(a, x.scale, weight, out, layout=0, sizes=None, m=m, groups=1, cap=0, n=n, rows_hint=m, cfg=cfg,
-                    invariant=batch_invariant)
-        return out
+        return fp8_gemm(x.data, x.scale, weight, x.dtype, cfg, batch_invariant)
     x = _check_x(x, weight)
     dense_triton = dense_triton or batch_invariant
     x2 = x.reshape(-1, weight.in_features)
@@ -416,15 +414,11 @@ def per_head_linear(x: torch.Tensor, weight: LinearWeight, quantize: bool = Fals
         out = result = torch.empty(t, h, n, dtype=x.dtype, device=x.device)
         scale, strides = None, (x.stride(1), n, 0)
     if t:
-        ieee = _compute_dtype(x.dtype, weight) == torch.float32
-        cfg = cfg or pick_config(64 if batch_invariant else t, n, k, _b_kind(weight), 1 if batch_invariant else 2,
-                                 x.device, ieee=ieee)
         # 128-wide tiles: a tile row is one quantisation group, and quantised or not the sums run alike (so the
         # quantised rows are exactly the plain rows quantised)
-        if n % BLOCK == 0 and cfg.bn != BLOCK:
-            cfg = replace(cfg, bn=BLOCK)
         _launch(x, None, weight, out, layout=3, sizes=None, m=h * t, groups=h, cap=t, n=n, rows_hint=t,
-                out_scale=scale, round_dtype=x.dtype, cfg=cfg, group_strides=strides)
+                out_scale=scale, round_dtype=x.dtype, cfg=cfg, invariant=batch_invariant, group_strides=strides,
+                tile_n=BLOCK if n % BLOCK == 0 else None)
     return result
 
 
@@ -475,13 +469,9 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
     if m:
         a, a_scale = _prepare_a(flat, gate_up, None)
         rows_hint = cap if layout == 2 else rows_per_group(m, groups)
-        ieee = not a.dtype == quant.FP8_DTYPE and _compute_dtype(a.dtype, gate_up) == torch.float32
-        cfg = cfg or pick_config(rows_hint, inter, gate_up.in_features, _b_kind(gate_up), layout, x.device, fused=True,
-                                 ieee=ieee)
-        if quantize and cfg.bn != BLOCK:
-            cfg = replace(cfg, bn=BLOCK)
         _launch(a, a_scale, gate_up, out, layout=layout, sizes=sizes, m=m, groups=groups, cap=cap, n=inter,
-                rows_hint=rows_hint, out_scale=out_scale, fused=True, round_dtype=x.dtype, cfg=cfg)
+                rows_hint=rows_hint, out_scale=out_scale, fused=True, round_dtype=x.dtype, cfg=cfg,
+                tile_n=BLOCK if quantize else None)
     if quantize:
         return out.reshape(*lead, inter), out_scale.reshape(*lead, inter // BLOCK)
     return out.reshape(*lead, inter)
