@@ -90,12 +90,6 @@ class Fp8Activations:
         if self.dtype not in FLOAT_DTYPES:
             raise InvalidInputError(f"FP8 activations need a float output dtype, got {self.dtype}")
 
-    @classmethod
-    def quantize(cls, x: torch.Tensor) -> Fp8Activations:
-        """x [T, K] float -> its per-token-group quantisation (quantize_fp8_per_token_group), x's dtype kept."""
-        q, scale = quantize_fp8_per_token_group(x)
-        return cls(q, scale, x.dtype)
-
     @property
     def shape(self) -> torch.Size:
         return self.data.shape

@@ -33,12 +33,14 @@ class FusedOps:
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
         """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype).
-        quantize (x [T, D]): the norm comes back as Fp8Activations.quantize(rms_norm(summed)), for FP8
-        projections (a backend may quantise in the norm's own launch; the values are the same)."""
+        quantize (x [T, D]): the norm comes back quantised, as Fp8Activations (quantize_fp8_per_token_group), for
+        FP8 projections (a backend may quantise in the norm's own launch; the values are the same)."""
         if quantize:
             check_tensor("x", x, ndim=2)
         normed, summed = add_rms_norm(x, residual, weight, eps)
-        return (quant.Fp8Activations.quantize(normed) if quantize else normed), summed
+        if quantize:
+            return quant.Fp8Activations(*self.quantize_fp8_per_token_group(normed), x.dtype), summed
+        return normed, summed
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
