@@ -31,12 +31,11 @@ FLASHMLA_MS = {(64, 4096, 128): 0.124, (128, 4096, 16): 0.156, (16, 32768, 128):
                (32, 65536, 16): 0.567, (1, 65536, 128): 0.0686}
 # --sweep candidates by (dtype, heads class): (config "BM,BN,warps,stages[,fold,cvt]" or "" for the default,
 # split tokens or None for the plan's choice). The default is always measured first and reported as such.
-SWEEP = {  # sixth round (2026-11-29, H200): for bf16 16-row tiles, 3-4 stages and a register prefetch of the next
-    # tile (since removed) were no faster at any shape; 64-key splits help only a lone short sequence (1x1024: 12.1
-    # vs 15.4 us) and cost at longer ones (1x16384: 32.8 vs 26.6 us)
-    ("bf16", 16): [("", None), ("", 64), ("16,32,4,3", None), ("", 1024)],
+SWEEP = {  # 16 heads (2026-11-30, H200): one-warpgroup 16-row tiles, FP8 scales folded (1,1), became the defaults past
+    # 4096 keys a step; the 8-warp tiles they replaced stay as candidates (and the defaults for one-tile items)
+    ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64)],
     ("bf16", 128): [("", None), ("64,32,8,2", None)],
-    ("fp8_e4m3", 16): [("", None), ("", 64), ("16,64,8,3,0,0", None), ("16,64,8,2,1,1", None), ("", 1024)],
+    ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None)],
     ("fp8_e4m3", 128): [("", None), ("64,32,8,2,0,0", None)],
 }
 RANK, ROPE, BS = 512, 64, 64

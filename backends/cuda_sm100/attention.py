@@ -407,13 +407,13 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         if items.shape[0] == 0:
             continue
         rows = qmax * heads
-        cfg = attn_config(rows, spec, interp, plan.batch_invariant, f32)
+        cfg = attn_config(rows, spec, interp, plan.batch_invariant, f32, one_tile=0 < plan.split_tokens <= 64)
         grid = (items.shape[0], cdiv(rows, cfg["BM"]))
         # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
         aligned = lambda bn: spec.block_size % bn == 0 and plan.split_tokens % bn == 0  # noqa: E731
-        # FP8: dequantising the tile measured ~4% faster than folding the scales into scores and
-        # probabilities on the H200 (2026-11-29 sweep), so the GPU dequantises; the interpreter folds
-        # wherever BM != 64, so that both paths stay tested.
+        # FP8 candidates that do not say: dequantising the tile measured ~4% faster than folding the scales
+        # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
+        # interpreter folds wherever BM != 64, so that both paths stay tested.
         fold_ok = lambda bm: interp and bm != 64  # noqa: E731
         _launch(K.mla_attn_kernel, grid, (*common, items, *tail),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
@@ -444,20 +444,29 @@ def _workspace(plan: MLAPlan, heads: int, device: torch.device):
 
 # --- launch configuration ----------------------------------------------------------------------------------
 
-# (BM, BN, num_warps, num_stages) candidates, best first; a launch that runs out of shared memory or
-# registers moves down the list (remembered per shape), so an untried GPU never fails a step.
+# (BM, BN, num_warps, num_stages[, fold, cvt]) candidates, best first; a launch that runs out of shared memory
+# or registers moves down the list (remembered per shape), so an untried GPU never fails a step. fold / cvt
+# (FP8 only): fold the scales into scores and probabilities, and which E4M3 conversion (fp8_operand's CVT);
+# without them the tile is dequantised by the cvt chain.
 # Rank 512 (DeepSeek): candidates from sm_90 compiles (benchmarks/triton_sm90_report.py: few or no spills,
 # asynchronous copies in the key loop) ordered by H200 timings (benchmarks/mla_decode.py --sweep). 64-row
-# tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync, where
-# 8 warps avoid the spills 4 warps have. Splitting the output columns over two one-warpgroup programs (two
-# per SM) measured 1.5x slower at 128 heads: both recompute the scores.
+# tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync. Splitting
+# the output columns over two one-warpgroup programs (two per SM) measured 1.5x slower at 128 heads: both
+# recompute the scores.
+# 16-row tiles: one warpgroup per program, two programs per SM (registers allow two at 4 warps, one at 8), hide
+# each other's load latency: bf16 9% faster at 128x4096 and 1x16384 (16 heads, H200, 2026-11-30), FP8 with
+# folded scales and bit-placed conversion 10-28% faster. Items of a single key tile ("one-tile": 64-key
+# splits, steps of at most TINY_STEP_KEYS keys) have no key loop to overlap, and keep 8 warps (1x1024: bf16
+# 11.7 vs 12.1 us, FP8 14.0 vs 15.4).
 _GPU_CONFIGS = {
     ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
     ("big", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
+    ("big", 16, False): [(16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
+    ("big-one-tile", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
     ("big", 64, True): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
     ("big", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+    ("big", 16, True): [(16, 32, 4, 2, 1, 1), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+    ("big-one-tile", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
 }
 for _bm in (16, 32, 64):
     for _fp8 in (False, True):
@@ -469,7 +478,9 @@ _CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
 _chosen: dict = {}
 
 
-def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False) -> dict:
+def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False,
+                one_tile: bool = False) -> dict:
+    """The launch configuration for tiles of `rows` query rows; one_tile: every item spans at most 64 keys."""
     if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
         bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, _pow2(rows))  # 64: the GPU's wgmma tile
         # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
@@ -489,7 +500,8 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
         return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
     # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
     bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
-    key = (size, bm, spec.is_fp8)
+    key = (f"{size}-one-tile" if one_tile and (f"{size}-one-tile", bm, spec.is_fp8) in _GPU_CONFIGS else size,
+           bm, spec.is_fp8)
     return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
 
 
@@ -506,13 +518,13 @@ def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
     start = _chosen.get(shape_key, 0)
     from triton.runtime.errors import OutOfResources
 
-    for i, c in enumerate(_GPU_CONFIGS[key][start:], start):
-        c = dict(zip(_CONFIG_FIELDS, c))
+    for i, cand in enumerate(_GPU_CONFIGS[key][start:], start):
+        c = dict(zip(_CONFIG_FIELDS, cand))
         if c["BM"] != cfg["BM"]:
             continue
+        fold, cvt = (bool(cand[4]), cand[5]) if len(cand) > 4 else (fold_ok(c["BM"]), 0)
         try:
-            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold_ok(c["BM"]), CVT=0,
-                         **launch_kwargs())
+            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold, CVT=cvt, **launch_kwargs())
             _chosen[shape_key] = i
             return
         except OutOfResources:

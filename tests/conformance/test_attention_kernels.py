@@ -97,6 +97,43 @@ def test_split_kv_combine_matches_reference(kern, ref, gen, kv_dtype, heads):
     assert plan.split_tokens == split and plan.num_slots > 0 and not plan.fallback
 
 
+@pytest.mark.skipif(not GPU, reason="DeepSeek's dims, for the GPU's 16-row tile configurations")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("seq_lens", [(1, 300, 2000, 5000), (1, 64, 900, 2000)])
+def test_16_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, seq_lens):
+    """16-head decode as the engine runs it: past TINY_STEP_KEYS keys (one-warpgroup 16-row tiles, FP8 scales
+    folded into scores and probabilities) and within it (64-key items of one tile, 8 warps)."""
+    from deepinfer.backends.cuda_sm100.attention import TINY_STEP_KEYS
+
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, len(seq_lens), 16, gen, scale=0.3)
+    plan, _, _ = against_reference(kern, ref, AttentionBatch((1,) * len(seq_lens), seq_lens, tables), spec, cache,
+                                   q, qp, RANK**-0.5)
+    assert (plan.split_tokens <= 64) == (sum(seq_lens) <= TINY_STEP_KEYS)
+
+
+@pytest.mark.parametrize("rank", [32, 512])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_every_gpu_launch_has_a_configuration(rank, kv_dtype):
+    """The GPU's configuration table covers every (rows, rank, cache, mode) a launch can ask for: plain
+    Python, so a hole in it fails on CPU too, not first on a GPU."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    spec = KVCacheSpec(4, 64, rank, 64, kv_dtype)
+    for rows in (1, 3, 16, 17, 32, 33, 64, 128, 1024):
+        for batch_invariant in (False, True):
+            for f32 in (False, True):
+                for one_tile in (False, True):
+                    cfg = A.attn_config(rows, spec, False, batch_invariant, f32, one_tile)
+                    cands = A._GPU_CONFIGS[cfg.pop("_key")]
+                    assert cands and all(len(c) in (4, 6) and c[0] == cands[0][0] for c in cands)
+                    assert cfg == dict(zip(A._CONFIG_FIELDS, cands[0]))
+                    if batch_invariant and not f32:  # one tile shape whatever the batch
+                        assert cfg["BM"] == 64
+
+
 def test_one_plan_serves_every_layer(kern, ref, gen):
     """The per-step plan (and its partial workspace) is reused by each layer's write + run."""
     query_lens, seq_lens = (1, 3, 1), (40, 70, 129)
