@@ -37,6 +37,9 @@ SWEEP = {  # 16 heads (2026-11-30, H200): one-warpgroup 16-row tiles, FP8 scales
     ("bf16", 128): [("", None), ("64,32,8,2", None)],
     ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None)],
     ("fp8_e4m3", 128): [("", None), ("64,32,8,2,0,0", None)],
+    # 32 rows (32 heads, or 16 heads verifying 2 tokens): 4-warp tiles spill 32-264 bytes in sm_90 compiles
+    ("bf16", 32): [("", None), ("32,32,4,2", None), ("32,64,4,2", None), ("32,64,8,2", None)],
+    ("fp8_e4m3", 32): [("", None), ("32,32,4,2,1,1", None), ("32,16,4,2,1,1", None), ("32,32,8,2,1,1", None)],
 }
 RANK, ROPE, BS = 512, 64, 64
 
@@ -113,7 +116,7 @@ def main() -> None:
             scale = (128 + 64) ** -0.5
             kv_bytes = b * ctx * spec.bytes_per_token + q.numel() * 2 + qp.numel() * 2 + q.numel() * 2
             flops = 2 * b * h * ctx * (RANK + ROPE + RANK)
-            cls = (kv_dtype, 16 if h <= 32 else 128)
+            cls = (kv_dtype, 16 if h <= 16 else 32 if h <= 32 else 128)
             cands = SWEEP[cls] if args.sweep else [("", None)]
             results = []
             for ci, (cfg, split_override) in enumerate(cands):

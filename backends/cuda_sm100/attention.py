@@ -453,18 +453,21 @@ def _workspace(plan: MLAPlan, heads: int, device: torch.device):
 # tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync. Splitting
 # the output columns over two one-warpgroup programs (two per SM) measured 1.5x slower at 128 heads: both
 # recompute the scores.
-# 16-row tiles: one warpgroup per program, two programs per SM (registers allow two at 4 warps, one at 8), hide
-# each other's load latency: bf16 9% faster at 128x4096 and 1x16384 (16 heads, H200, 2026-11-30), FP8 with
-# folded scales and bit-placed conversion 10-28% faster. Items of a single key tile ("one-tile": 64-key
-# splits, steps of at most TINY_STEP_KEYS keys) have no key loop to overlap, and keep 8 warps (1x1024: bf16
-# 11.7 vs 12.1 us, FP8 14.0 vs 15.4).
+# 16 / 32-row tiles: one warpgroup per program, two programs per SM (registers allow two at 4 warps, one at 8),
+# hide each other's load latency (H200, 2026-11-30). 16 heads: bf16 9% faster at 128x4096 and 1x16384, FP8
+# with folded scales and bit-placed conversion 10-28% faster. 32 heads: bf16 2.0-2.4x at 64x4096 and 16x32768
+# (despite 32-64 bytes of spills), FP8 9-12%. Items of a single key tile ("one-tile": 64-key splits, steps of
+# at most TINY_STEP_KEYS keys) have no key loop to overlap, and keep 8 warps (16 heads, 1x1024: bf16 11.7 vs
+# 12.1 us, FP8 14.0 vs 15.4).
 _GPU_CONFIGS = {
     ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
-    ("big", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 32, False): [(32, 64, 4, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big-one-tile", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
     ("big", 16, False): [(16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
     ("big-one-tile", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
     ("big", 64, True): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
-    ("big", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 32, True): [(32, 32, 4, 2, 1, 1), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big-one-tile", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
     ("big", 16, True): [(16, 32, 4, 2, 1, 1), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
     ("big-one-tile", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
 }

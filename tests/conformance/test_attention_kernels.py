@@ -97,18 +97,19 @@ def test_split_kv_combine_matches_reference(kern, ref, gen, kv_dtype, heads):
     assert plan.split_tokens == split and plan.num_slots > 0 and not plan.fallback
 
 
-@pytest.mark.skipif(not GPU, reason="DeepSeek's dims, for the GPU's 16-row tile configurations")
+@pytest.mark.skipif(not GPU, reason="DeepSeek's dims, for the GPU's 16 / 32-row tile configurations")
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [16, 32])
 @pytest.mark.parametrize("seq_lens", [(1, 300, 2000, 5000), (1, 64, 900, 2000)])
-def test_16_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, seq_lens):
-    """16-head decode as the engine runs it: past TINY_STEP_KEYS keys (one-warpgroup 16-row tiles, FP8 scales
-    folded into scores and probabilities) and within it (64-key items of one tile, 8 warps)."""
+def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, heads, seq_lens):
+    """Decode with 16 / 32 heads as the engine runs it: past TINY_STEP_KEYS keys (one-warpgroup tiles, FP8
+    scales folded into scores and probabilities) and within it (64-key items of one tile, 8 warps)."""
     from deepinfer.backends.cuda_sm100.attention import TINY_STEP_KEYS
 
     nb, tables = tables_for(seq_lens, 64, gen)
     spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
     cache = filled_cache(kern, spec, gen)
-    q, qp = queries(kern, len(seq_lens), 16, gen, scale=0.3)
+    q, qp = queries(kern, len(seq_lens), heads, gen, scale=0.3)
     plan, _, _ = against_reference(kern, ref, AttentionBatch((1,) * len(seq_lens), seq_lens, tables), spec, cache,
                                    q, qp, RANK**-0.5)
     assert (plan.split_tokens <= 64) == (sum(seq_lens) <= TINY_STEP_KEYS)
