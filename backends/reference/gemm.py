@@ -77,14 +77,18 @@ def _fp8_matmul_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: LinearWeig
     return out
 
 
-def _matmul(x: torch.Tensor, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
-    """x [M, K] @ one 2-D weight^T -> [M, N] float32.
+def _per_row(fn, row_wise: bool, *rows: torch.Tensor) -> torch.Tensor:
+    """fn(*rows), or in batch-invariant mode (row_wise) one call per row, so that a row's reduction never
+    depends on how many other rows share the call (BLAS picks kernels and blockings by M)."""
+    if row_wise and rows[0].shape[0] > 1:
+        return torch.cat([fn(*(t[i : i + 1] for t in rows)) for i in range(rows[0].shape[0])])
+    return fn(*rows)
 
-    row_wise (batch-invariant mode): one GEMV per row, so a row's reduction never depends on how many
-    other rows share the call (BLAS picks kernels and blockings by M).
-    """
-    if row_wise and x.shape[0] > 1:
-        return torch.cat([_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+
+def _matmul(x: torch.Tensor, weight: LinearWeight, row_wise: bool = False) -> torch.Tensor:
+    """x [M, K] @ one 2-D weight^T -> [M, N] float32; row_wise: one GEMV per row (_per_row)."""
+    if row_wise:
+        return _per_row(lambda r: _matmul(r, weight), True, x)
     if weight.format is WeightFormat.FP8_BLOCK:
         return _fp8_matmul(x, weight)
     # Dense, and NVFP4 weight-only: activations stay in float, the weight is dequantised.
@@ -105,10 +109,7 @@ def linear(x: torch.Tensor | quant.Fp8Activations, weight: LinearWeight, row_wis
         m = x.shape[0]
         if m == 0:
             return torch.empty(0, weight.out_features, dtype=x.dtype, device=x.device)
-        if row_wise:  # as _matmul: one GEMV per row
-            out = torch.cat([_fp8_matmul_quantised(x.data[i : i + 1], x.scale[i : i + 1], weight) for i in range(m)])
-        else:
-            out = _fp8_matmul_quantised(x.data, x.scale, weight)
+        out = _per_row(lambda q, s: _fp8_matmul_quantised(q, s, weight), row_wise, x.data, x.scale)
         return out.to(x.dtype)
     x = _check_x(x, weight)
     out = _matmul(x.reshape(-1, weight.in_features), weight, row_wise)

@@ -235,3 +235,23 @@ def test_gemm_rejects_bad_inputs(backend, gen):
         with pytest.raises(InvalidInputError):
             call()
             pytest.fail(f"bad input #{i} was accepted")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "fp8_activations"])
+def test_batch_invariant_reference_rows_do_not_depend_on_the_batch(gen, fmt):
+    """The reference in batch-invariant mode: each row of a call equals that row computed alone, bit for bit,
+    whether the activations come as floats or pre-quantised (quant.Fp8Activations)."""
+    from deepinfer.registry import load_backend
+
+    be = load_backend("reference", batch_invariant=True)
+    k, n, m = 384, 72, 9
+    x = torch.randn(m, k, generator=gen)
+    lw = LinearWeight.quantize(torch.randn(n, k, generator=gen) / k**0.5, "dense" if fmt == "dense" else "fp8_block")
+    if fmt == "fp8_activations":
+        q, s = be.ops.quantize_fp8_per_token_group(x)
+        call = lambda rows: be.linear(quant.Fp8Activations(q[rows], s[rows], torch.float32), lw)  # noqa: E731
+    else:
+        call = lambda rows: be.linear(x[rows], lw)  # noqa: E731
+    full = call(slice(0, m))
+    for r in range(m):
+        assert torch.equal(call(slice(r, r + 1)), full[r : r + 1])
