@@ -503,8 +503,9 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
         return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
     # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
     bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
-    key = (f"{size}-one-tile" if one_tile and (f"{size}-one-tile", bm, spec.is_fp8) in _GPU_CONFIGS else size,
-           bm, spec.is_fp8)
+    key = (size, bm, spec.is_fp8)
+    if one_tile and (f"{size}-one-tile", bm, spec.is_fp8) in _GPU_CONFIGS:  # only where they differ
+        key = (f"{size}-one-tile", bm, spec.is_fp8)
     return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
 
 

@@ -106,9 +106,6 @@ def linear(x: torch.Tensor | quant.Fp8Activations, weight: LinearWeight, row_wis
     weight = _check_weight(weight, 2)
     if isinstance(x, quant.Fp8Activations):
         check_fp8_activations(x, weight)
-        m = x.shape[0]
-        if m == 0:
-            return torch.empty(0, weight.out_features, dtype=x.dtype, device=x.device)
         out = _per_row(lambda q, s: _fp8_matmul_quantised(q, s, weight), row_wise, x.data, x.scale)
         return out.to(x.dtype)
     x = _check_x(x, weight)

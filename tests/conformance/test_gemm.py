@@ -81,6 +81,12 @@ def test_linear_empty_batch(backend, gen, fmt):
     lw = LinearWeight.quantize(torch.randn(136, 200, generator=gen), fmt).to(backend.device)
     out = backend.linear(torch.randn(0, 200, generator=gen).to(backend.device), lw)
     assert out.shape == (0, 136) and out.dtype == torch.float32
+    if fmt == "fp8_block":  # pre-quantised activations of no tokens too
+        dev = backend.device
+        empty = quant.Fp8Activations(torch.empty(0, 200, dtype=quant.FP8_DTYPE, device=dev),
+                                     torch.empty(0, 2, device=dev), torch.bfloat16)
+        out = backend.linear(empty, lw)
+        assert out.shape == (0, 136) and out.dtype == torch.bfloat16
 
 
 def test_linear_fp16_dense_weight(backend, gen):
