@@ -255,13 +255,15 @@ def mla_attn_kernel(
     lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
-    H, qk_scale,
+    H, qk_scale, row_tiles,
     R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, MAX_SPAN: tl.constexpr,
     DOT_T: tl.constexpr, ALIGNED: tl.constexpr, FOLD: tl.constexpr, CVT: tl.constexpr, F32: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """One program = one work item (a sequence's KV range [kv_lo, kv_hi)) x one tile of BM query rows.
+    An item's row tiles are consecutive programs (a 1-D grid of items x row_tiles), so they run together and
+    its key tiles come from HBM once, then from L2.
 
     Rows of a sequence are (query j, head h) pairs, row = j * H + h: all of a sequence's queries share its
     keys, and query j (position seq_len - qlen + j) sees keys up to its own position. Items with
@@ -269,7 +271,7 @@ def mla_attn_kernel(
     rows slot + j for the combine kernel; slot < -1 is capacity padding and does nothing.
     """
     enter(PDL)
-    item = tl.program_id(0)
+    item = tl.program_id(0) // row_tiles
     seq = tl.load(items_ptr + item * 4)
     kv_lo = tl.load(items_ptr + item * 4 + 1)
     kv_hi = tl.load(items_ptr + item * 4 + 2)
@@ -278,7 +280,7 @@ def mla_attn_kernel(
     qlen = tl.load(meta_ptr + meta_stride + seq)
     slen = tl.load(meta_ptr + 2 * meta_stride + seq)
 
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    rows = (tl.program_id(0) % row_tiles) * BM + tl.arange(0, BM)
     j = rows // H
     h = rows % H
     rmask = (j < qlen) & (slot >= -1)
