@@ -22,6 +22,7 @@ and CPU tensors when the Triton interpreter is off.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -416,6 +417,9 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
         # interpreter folds wherever BM != 64, so that both paths stay tested.
         fold_ok = lambda bm: interp and bm != 64  # noqa: E731
+        if cfg["BM"] == 64 and aligned(64) and _launch_gluon(spec, q_nope, q_pe, cache, plan, items, row_tiles,
+                                                             tail):
+            continue
         _launch(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
                      DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok)
@@ -429,6 +433,45 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
             num_warps=4, **launch_kwargs(),
         )
     return (out, lse) if return_lse else out
+
+
+def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 cache and queries at DeepSeek's
+    dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
+    if os.environ.get("DEEPINFER_MLA_GLUON", "1") == "0" or device.type != "cuda":
+        return False
+    if spec.dtype != "bf16" or q_dtype != torch.bfloat16 or (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
+        return False
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= _gluon_kernels().SMEM_BYTES
+
+
+@functools.cache
+def _gluon_kernels():
+    """The Gluon kernel module, or None where this Triton has no Gluon (it is experimental)."""
+    try:
+        from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
+    except ImportError:
+        return None
+    return mla_gluon_kernels
+
+
+def _launch_gluon(spec, q_nope, q_pe, cache, plan, items, row_tiles, tail) -> bool:
+    """Run 64-row tiles on the Gluon kernel; False (nothing launched) where it does not apply, and the caller
+    launches mla_attn_kernel."""
+    if not gluon_tile_usable(spec, q_nope.dtype, cache.device):
+        return False
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
+    G = _gluon_kernels()
+    G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
+        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache, cache, cache.stride(0), cache.stride(1), cache.stride(0), cache.stride(1), spec.kv_lora_rank,
+        spec.block_size, plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
+        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs(),
+    )
+    return True
 
 
 def _workspace(plan: MLAPlan, heads: int, device: torch.device):

@@ -115,6 +115,39 @@ def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, head
     assert (plan.split_tokens <= 64) == (sum(seq_lens) <= TINY_STEP_KEYS)
 
 
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+@pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("split", [None, 64])
+def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, query_lens, heads, split):
+    """64-row tiles on the Gluon kernel (128 heads; 16 heads x 4 queries): against the reference, and against
+    mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the sequence, causal queries,
+    direct and split items; the launch counter proves the Gluon kernel ran."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    spec = KVCacheSpec(1, 64, RANK, ROPE, "bf16")
+    if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    if heads == 16 and max(query_lens) < 3:
+        pytest.skip("16 heads take 64-row tiles only with 3+ queries a sequence")
+    seq_lens = (1, 70, 700, 2000, 4100, 9000)
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, "bf16")
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
+    ran = []
+    real = A._launch_gluon
+    monkeypatch.setattr(A, "_launch_gluon", lambda *a: ran.append(real(*a)) or ran[-1])
+    batch = AttentionBatch(query_lens, seq_lens, tables)
+    _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
+    assert any(ran)
+    monkeypatch.setenv("DEEPINFER_MLA_GLUON", "0")
+    plan = kern.plan_attention(batch, spec, split_tokens=split)
+    t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
+    assert_close_rel(out, t_out, tol=1e-2)
+    torch.testing.assert_close(lse, t_lse, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("rank", [32, 512])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 def test_every_gpu_launch_has_a_configuration(rank, kv_dtype, monkeypatch):

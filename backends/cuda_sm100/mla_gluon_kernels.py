@@ -1,0 +1,199 @@
+"""MLA decode over the paged bf16 latent cache in Gluon, for 64-row tiles (64 query heads a program).
+
+Why a second kernel: Triton 3.6 compiles mla_attn_kernel's 64-row tile with both warpgroups computing the
+whole 64 x 64 score tile (its layout rule for chained dots puts all warps along M), on 32-wide wgmma
+instructions, and its pipeliner issues the next key tile's copies at the end of an iteration, so every
+iteration waits out a tile's memory latency (sm_90 compile, benchmarks/RESULTS.md, issue 8). Gluon states
+layouts and shared memory explicitly, so here:
+
+- the warpgroups split the score tile's keys (layout warps [4, 2]): each computes 32 of the 64 key columns
+  over all 576 channels, no score is computed twice;
+- the probabilities go through shared memory once and both warpgroups multiply them into their own 256 of
+  the 512 output columns;
+- key tile i + 2 is copied (cp.async) into the buffer tile i leaves, right after tile i's last MMA, so a
+  tile's copy has a whole iteration of MMAs and softmax to land, and block-table entries are read one tile
+  earlier still.
+
+Same contract as mla_attn_kernel (work items, rows = query x head, direct or partial outputs with log-sum-exp),
+restricted to what attention.gluon_tile_usable checks: bf16 cache and queries, rank 512, rope 64, tiles
+aligned to blocks. GPU only: Gluon has no interpreter, so the conformance tests run it on the H200 and the
+CPU tests exercise mla_attn_kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+_LN2 = gl.constexpr(0.6931471805599453)
+
+R = 512  # latent width the kernel is written for (DeepSeek's kv_lora_rank)
+P = 64  # rope width
+BM = 64  # query rows per program: one wgmma M
+BN = 64  # keys per tile
+NUM_WARPS = 8  # two warpgroups
+SMEM_BYTES = 229888  # shared memory a program takes (sm_90 compile): queries, two key tiles, P, scratch
+
+
+@gluon.jit
+def _gdc_enter(PDL: gl.constexpr):
+    """As pdl.enter: wait for the previous grid, then let the next one launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _block_of(bt_row, start, kv_end, BS):
+    """The cache block of the (block-aligned) key tile starting at `start`; 0 past kv_end (never read)."""
+    return gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, rope_sb, rope_st,
+               rope_off, LAT_L: gl.constexpr, PE_L: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
+               BN: gl.constexpr):
+    """cp.async keys [start, start + BN) of block blk into k_buf [BN, R] and kpe_buf [BN, P], one commit
+    group; keys past kv_end are zero-filled (their scores are masked)."""
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT_L))
+    off = (start % BS + n).to(gl.int64)
+    c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_L))
+    ptrs = lat_ptr + (blk * lat_sb + off * lat_st)[:, None] + c[None, :]
+    async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=(start + n < kv_end)[:, None])
+    n2 = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
+    off2 = (start % BS + n2).to(gl.int64)
+    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
+    ptrs2 = rope_ptr + (blk * rope_sb + off2 * rope_st + rope_off)[:, None] + c2[None, :]
+    async_copy.async_copy_global_to_shared(kpe_buf, ptrs2, mask=(start + n2 < kv_end)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def mla_attn_gluon_kernel(
+    q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
+    lat_ptr, rope_ptr, lat_sb, lat_st, rope_sb, rope_st, rope_off, BS,
+    bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
+    H, qk_scale, row_tiles,
+    R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, PDL: gl.constexpr = False,
+):
+    """One program = one work item x one tile of BM query rows, as mla_attn_kernel (see its docstring)."""
+    # Distributed layouts: copies (16-byte vectors along a row), scores (warpgroups split the keys),
+    # output (warpgroups split the 512 columns).
+    LAT_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
+    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+
+    _gdc_enter(PDL)
+    item = gl.program_id(0) // row_tiles
+    row0 = (gl.program_id(0) % row_tiles) * BM
+    seq = gl.load(items_ptr + item * 4)
+    kv_lo = gl.load(items_ptr + item * 4 + 1)
+    kv_hi = gl.load(items_ptr + item * 4 + 2)
+    slot = gl.load(items_ptr + item * 4 + 3)
+    tok0 = gl.load(meta_ptr + seq)
+    qlen = gl.load(meta_ptr + meta_stride + seq)
+    slen = gl.load(meta_ptr + 2 * meta_stride + seq)
+    # Causal: no key past the tile's last query (row0 + BM - 1, or the last query of the sequence).
+    last_j = gl.minimum((row0 + BM - 1) // H, qlen - 1)
+    kv_end = gl.minimum(kv_hi, slen - qlen + last_j + 1)
+    kv_end = gl.where((slot >= -1) & (row0 // H < qlen), kv_end, kv_lo)  # padding, or no query rows: no keys
+    n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
+    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], LAT_S)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], PE_S)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], LAT_S)
+    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], P_S)
+
+    # Queries (one commit group), then key tiles 0 and 1.
+    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LAT_L))
+    rq = (r // H < qlen) & (slot >= -1)
+    tq = (tok0 + r // H).to(gl.int64)
+    c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_L))
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr + (tq * q_st + (r % H) * q_sh)[:, None] + c[None, :],
+                                           mask=rq[:, None])
+    r2 = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PE_L))
+    rq2 = (r2 // H < qlen) & (slot >= -1)
+    tq2 = (tok0 + r2 // H).to(gl.int64)
+    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
+    async_copy.async_copy_global_to_shared(qpe_smem, qpe_ptr + (tq2 * qpe_st + (r2 % H) * qpe_sh)[:, None] + c2[None, :],
+                                           mask=rq2[:, None])
+    async_copy.commit_group()
+    tile_args = (lat_ptr, rope_ptr)
+    addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
+    blk = _block_of(bt_row, kv_lo, kv_end, BS)
+    _copy_tile(k_bufs.index(0), kpe_bufs.index(0), *tile_args, blk, kv_lo, *addr_args, LAT_L, PE_L, R, P, BN)
+    blk = _block_of(bt_row, kv_lo + BN, kv_end, BS)
+    _copy_tile(k_bufs.index(1), kpe_bufs.index(1), *tile_args, blk, kv_lo + BN, *addr_args, LAT_L, PE_L, R, P, BN)
+    blk_next = _block_of(bt_row, kv_lo + 2 * BN, kv_end, BS)
+
+    # Score-side row data (query position of each row) and running softmax state.
+    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
+    m_i = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BM, R], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    kn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+
+    for t in range(0, n_tiles):
+        buf = t % 2
+        start = kv_lo + t * BN
+        async_copy.wait_group(1)  # this tile's group (and the queries') have landed; the next may be in flight
+        gl.thread_barrier()  # ... in every thread's copies
+        fence_async_shared()  # generic-proxy writes -> visible to the wgmma's async-proxy reads
+        k = k_bufs.index(buf)
+        s = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qpe_smem, kpe_bufs.index(buf).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        offs = start + kn
+        s = gl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] < kv_end), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups read all of P
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, k, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # every warpgroup is done with this buffer (and with P) before it is refilled
+        _copy_tile(k_bufs.index(buf), kpe_bufs.index(buf), *tile_args, blk_next, start + 2 * BN, *addr_args, LAT_L,
+                   PE_L, R, P, BN)
+        blk_next = _block_of(bt_row, start + 3 * BN, kv_end, BS)
+    async_copy.wait_group(0)
+
+    has = l_i > 0.0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
+    # Direct rows go to out/lse of token tok; split rows to the partial buffers at row slot + j.
+    ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    jo = ro // H
+    ho = ro % H
+    keep = (jo < qlen) & (slot >= -1)
+    o = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]
+    co = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
+    tok = (tok0 + jo).to(gl.int64)
+    prow = (slot + jo).to(gl.int64) * H + ho
+    if slot == -1:
+        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
+    else:
+        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
+    jl = rs // H
+    keep_l = (jl < qlen) & (slot >= -1)
+    tok_l = (tok0 + jl).to(gl.int64)
+    if slot == -1:
+        gl.store(lse_ptr + tok_l * H + rs % H, lse, mask=keep_l)
+    else:
+        gl.store(plse_ptr + (slot + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l & (slot >= 0))
