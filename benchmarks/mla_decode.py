@@ -34,9 +34,9 @@ FLASHMLA_MS = {(64, 4096, 128): 0.124, (128, 4096, 16): 0.156, (16, 32768, 128):
 SWEEP = {  # 16 heads (2026-11-30, H200): one-warpgroup 16-row tiles, FP8 scales folded (1,1), became the defaults past
     # 4096 keys a step; the 8-warp tiles they replaced stay as candidates (and the defaults for one-tile items)
     ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64)],
-    ("bf16", 128): [("", None), ("64,32,8,2", None), ("", 2048)],
+    ("bf16", 128): [("", None), ("", 256), ("", 512), ("", 1024), ("", 2048), ("", 4096), ("", 8192)],
     ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None)],
-    ("fp8_e4m3", 128): [("", None), ("64,32,8,2,0,0", None), ("", 2048)],
+    ("fp8_e4m3", 128): [("", None), ("", 256), ("", 512), ("", 1024), ("", 2048), ("", 4096), ("", 8192)],
     # 32 rows (32 heads, or 16 heads verifying 2 tokens): 4-warp tiles spill 32-264 bytes in sm_90 compiles
     ("bf16", 32): [("", None), ("32,32,4,2", None), ("32,64,4,2", None), ("32,64,8,2", None)],
     ("fp8_e4m3", 32): [("", None), ("32,32,4,2,1,1", None), ("32,16,4,2,1,1", None), ("32,32,8,2,1,1", None)],
@@ -48,7 +48,7 @@ def make_case(be, batch_size, ctx, heads, kv_dtype, gen):
     from deepinfer.attention import AttentionBatch, KVCacheSpec
 
     nblk = ctx // BS
-    spec = KVCacheSpec(batch_size * nblk + 1, BS, RANK, ROPE, kv_dtype)
+    spec = KVCacheSpec(batch_size * nblk + 1, BS, RANK, ROPE, kv_dtype, heads)
     perm = torch.randperm(spec.num_blocks, generator=gen)[: batch_size * nblk].view(batch_size, nblk)
     batch = AttentionBatch((1,) * batch_size, (ctx,) * batch_size, tuple(tuple(r) for r in perm.tolist()))
     cache = be.allocate_kv_cache(spec)

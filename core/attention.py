@@ -25,6 +25,10 @@ class KVCacheSpec:
     Float caches hold kv_lora_rank latent values then rope_dim rope-key values per token (576 for DeepSeek).
     The fp8_e4m3 cache is DeepSeek's FlashMLA layout, in bytes: kv_lora_rank E4M3 values, one fp32 scale per
     128 of them, then rope_dim bf16 values (656 bytes for DeepSeek).
+
+    query_heads: the query heads each token brings to this cache (the model's attention heads; 0 = unknown).
+    It does not change the layout; a backend may size its per-step schedule by it (FlashInfer's plan takes
+    the head count for the same reason).
     """
 
     num_blocks: int
@@ -32,6 +36,7 @@ class KVCacheSpec:
     kv_lora_rank: int = 512
     rope_dim: int = 64
     dtype: str = "bf16"
+    query_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_CACHE_DTYPES:
@@ -39,6 +44,8 @@ class KVCacheSpec:
         for field in ("num_blocks", "block_size", "kv_lora_rank", "rope_dim"):
             if getattr(self, field) <= 0:
                 raise InvalidInputError(f"KVCacheSpec.{field} must be positive, got {getattr(self, field)}")
+        if self.query_heads < 0:
+            raise InvalidInputError(f"KVCacheSpec.query_heads must be >= 0 (0 = unknown), got {self.query_heads}")
 
     @property
     def is_fp8(self) -> bool:

@@ -105,8 +105,14 @@ SMALL_STEP_KEYS = 32768  # below this many keys in a step, latency beats the par
 TINY_STEP_KEYS = 4096
 
 
-def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
-    """Keys per split: a power of two giving about two items per SM over the splittable sequences.
+def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int = 0) -> int:
+    """Keys per split: a power of two giving about one wave of programs over the splittable sequences.
+
+    `rows` is an item's query rows (heads x queries; 0 = unknown). Items of at most 32 rows are one
+    one-warpgroup program, two per SM: about two items per SM. Larger items launch cdiv(rows, 64) programs of
+    64 rows, one per SM (8 warps, ~225 KiB of shared memory): about one program per SM. H200, 128 heads, bf16
+    and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items (128 programs) were fastest at 64x4096,
+    16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096 0.2005 ms vs 0.2460 at two items per SM.
 
     On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
     on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
@@ -118,11 +124,17 @@ def choose_split_tokens(split_lens: list[int], device: torch.device) -> int:
         return _check_split(int(env))
     total = sum(split_lens)
     lo = (64 if total <= TINY_STEP_KEYS else 128 if total <= SMALL_STEP_KEYS else 512) if device.type == "cuda" else 16
-    target = 2 * _num_sms(device)
+    target = 2 * _num_sms(device) if rows <= 32 else max(1, _num_sms(device) // cdiv(rows, 64))
     s = lo
     while s < 8192 and cdiv(total, s) > target:
         s *= 2
     return s
+
+
+def _item_rows(batch: AttentionBatch, spec: KVCacheSpec) -> int:
+    """Query rows of the largest splittable item (0 where the spec does not say how many heads)."""
+    qmax = max((q for q in batch.query_lens if q <= SPLIT_MAX_QLEN), default=0)
+    return spec.query_heads * qmax
 
 
 def _check_split(s: int) -> int:
@@ -182,7 +194,7 @@ def plan_mla(
     else:
         # A plan captured for a graph serves every length up to max_seq_len: size splits for half of it.
         splittable = [max(s, cap_len // 2) for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-        split = choose_split_tokens(splittable, device)
+        split = choose_split_tokens(splittable, device, _item_rows(batch, spec))
     dec, pre, seq_split, slots = _schedule(batch, split, cap_len)
     width = max(cdiv(cap_len, spec.block_size), common["block_table"].shape[1])  # room to grow (graphs)
     if width > common["block_table"].shape[1]:
@@ -227,7 +239,7 @@ def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device)
     if not plan.split_tokens:
         return None, _schedule(batch, None, 0)
     lens = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-    split = max(64, choose_split_tokens(lens, device))
+    split = max(64, choose_split_tokens(lens, device, _item_rows(batch, plan.spec)))
     while True:
         schedule = _schedule(batch, split, 0)
         dec, _, _, slots = schedule
@@ -425,14 +437,35 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
                      DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok)
     if plan.num_slots:
         # The interpreter pays per program, so there one program takes all heads and columns of a token.
-        hb = _pow2(heads) if interp else 1
-        dc = _pow2(spec.kv_lora_rank) if interp else min(128, _pow2(spec.kv_lora_rank))
+        if interp:
+            hb, dc, st = _pow2(heads), _pow2(spec.kv_lora_rank), 16
+        else:
+            hb, dc, st = combine_tiles(num_tokens, heads, spec.kv_lora_rank, plan.max_splits, _num_sms(dev))
         K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
             plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
-            R=spec.kv_lora_rank, HB=hb, DC=dc, ST=16, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
+            R=spec.kv_lora_rank, HB=hb, DC=dc, ST=st, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
             num_warps=4, **launch_kwargs(),
         )
     return (out, lse) if return_lse else out
+
+
+def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: int) -> tuple[int, int, int]:
+    """(heads, columns, splits) one combine program takes at a time: every split at once where they fit (its
+    loop is a chain of dependent loads), whole latent rows of several heads while that leaves ~2 programs per
+    SM, narrower otherwise; at most 8192 partial values in flight (64 registers a thread). H200, 64 x 4096 keys
+    x 128 heads, 4 splits: one head x 128 columns x 16 split slots a program took 0.11 ms, a third of the
+    attention step (benchmarks/RESULTS.md, issue 8)."""
+    st = min(64, 1 << max(max_splits - 1, 0).bit_length())
+    hb, dc = 8, 1 << (rank - 1).bit_length()
+
+    def too_big() -> bool:
+        return st * hb * dc > 8192 or num_tokens * cdiv(heads, hb) * cdiv(rank, dc) < 2 * sms
+
+    while hb > 1 and too_big():
+        hb //= 2
+    while dc > 64 and too_big():
+        dc //= 2
+    return hb, dc, st
 
 
 def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:

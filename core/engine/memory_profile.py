@@ -48,7 +48,7 @@ def peak_step_bytes(model: DeepseekModel, backend: Backend, *, tokens: int, cont
         logger.warning("memory profile: a %d-token prefix instead of max_model_len %d (its temporary cache "
                        "would not fit); longer prefixes may need more memory than reserved", profiled, context)
     blocks = cdiv(profiled, block_size)
-    spec = KVCacheSpec(blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+    spec = KVCacheSpec(blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype, c.num_attention_heads)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
@@ -95,7 +95,7 @@ def kv_cache_spec(model: DeepseekModel, backend: Backend, ec: EngineConfig, max_
         )
     logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s)", num_blocks, ec.block_size,
                 num_blocks * ec.block_size, num_blocks * bytes_per_block / 2**20, kv_dtype)
-    return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
+    return KVCacheSpec(num_blocks, ec.block_size, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype, c.num_attention_heads)
 
 
 def _free_memory(device: torch.device) -> int:

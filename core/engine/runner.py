@@ -52,7 +52,7 @@ class ModelRunner:
     @staticmethod
     def cache_spec(model: DeepseekModel, num_blocks: int, block_size: int, dtype: str) -> KVCacheSpec:
         c = model.config
-        return KVCacheSpec(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype)
+        return KVCacheSpec(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype, c.num_attention_heads)
 
     @torch.inference_mode()
     def execute(self, batch: AttentionBatch, input_ids: list[int], logit_rows: list[int],

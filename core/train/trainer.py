@@ -82,7 +82,8 @@ def training_backend(device: str | torch.device) -> Backend:
 def prefill_plan(backend: Backend, config: ModelConfig, batch_size: int, seq_len: int) -> AttentionPlan:
     """B whole sequences of seq_len tokens, each in its own blocks of a scratch cache."""
     per_seq = cdiv(seq_len, BLOCK)
-    spec = KVCacheSpec(batch_size * per_seq, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "fp32")
+    spec = KVCacheSpec(batch_size * per_seq, BLOCK, config.kv_lora_rank, config.qk_rope_head_dim, "fp32",
+                       config.num_attention_heads)
     tables = tuple(tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size))
     return backend.plan_attention(AttentionBatch((seq_len,) * batch_size, (seq_len,) * batch_size, tables), spec)
 

@@ -148,6 +148,52 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, que
     torch.testing.assert_close(lse, t_lse, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("heads", [0, 16, 128])
+@pytest.mark.parametrize("seq_lens", [(4096,) * 64, (32768,) * 16, (65536,), (1024,) * 32, (100, 7000, 300)])
+def test_split_rule_gives_about_one_wave_of_programs(monkeypatch, heads, seq_lens):
+    """Plain Python, the GPU's rule: the smallest power-of-two split (from its floor) whose items x row-tile
+    programs fit one wave: two one-warpgroup programs per SM for items of at most 32 rows (and where the head
+    count is unknown), one 64-row program per SM otherwise."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    monkeypatch.setattr(A, "_num_sms", lambda device: 132)
+    monkeypatch.delenv("DEEPINFER_MLA_SPLIT_TOKENS", raising=False)
+    split = A.choose_split_tokens(list(seq_lens), torch.device("cuda"), heads)
+    items = lambda s: sum(cdiv(n, s) for n in seq_lens)  # noqa: E731
+    per_sm = 2 * 132 if heads <= 32 else 132 // cdiv(heads, 64)
+    total = sum(seq_lens)
+    floor = 64 if total <= A.TINY_STEP_KEYS else 128 if total <= A.SMALL_STEP_KEYS else 512
+    assert split & (split - 1) == 0 and floor <= split <= 8192
+    assert items(split) <= per_sm or split == 8192
+    assert split == floor or items(split // 2) > per_sm
+    spec = KVCacheSpec(1, 64, 512, 64, "bf16", heads)
+    assert A._item_rows(AttentionBatch((1, 2, 9), (5, 6, 9), ((0,), (0,), (0,))), spec) == 2 * heads
+
+
+def test_query_heads_must_not_be_negative():
+    with pytest.raises(InvalidInputError, match="query_heads"):
+        KVCacheSpec(4, 64, 512, 64, "bf16", -1)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 1000])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+@pytest.mark.parametrize("max_splits", [1, 2, 5, 16, 300])
+def test_combine_tiles_cover_the_rows_within_the_register_budget(num_tokens, heads, max_splits):
+    """The GPU combine's program shape (plain Python): powers of two within the row, at most 8192 partial
+    values a program, and more programs (narrower tiles) when the step has few tokens."""
+    from deepinfer.backends.cuda_sm100.attention import combine_tiles
+
+    hb, dc, st = combine_tiles(num_tokens, heads, 512, max_splits, 132)
+    for v in (hb, dc, st):
+        assert v & (v - 1) == 0
+    assert 1 <= hb <= 8 and 64 <= dc <= 512 and st == min(64, 1 << (max_splits - 1).bit_length())
+    assert st * hb * dc <= 8192
+    programs = num_tokens * cdiv(heads, hb) * cdiv(512, dc)
+    assert programs >= 264 or (hb == 1 and dc == 64)
+    wider = combine_tiles(num_tokens * 64, heads, 512, max_splits, 132)
+    assert wider[0] * wider[1] >= hb * dc  # more tokens never make a program's tile narrower
+
+
 @pytest.mark.parametrize("rank", [32, 512])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 def test_every_gpu_launch_has_a_configuration(rank, kv_dtype, monkeypatch):
