@@ -62,6 +62,7 @@ class MLAPlan(AttentionPlan):
     dec_max_span: int = 0  # most keys in one item: the interpreter's loop bound
     pre_max_span: int = 0
     max_splits: int = 0
+    split_capacity: int = 0  # most splits a sequence may take: a graph-captured plan's room for growth
     num_slots: int = 0
     max_blocks: int = 0
     # Per (heads, rank): float32 partial outputs and lses, allocated at the first run, reused by every layer.
@@ -210,6 +211,8 @@ def plan_mla(
         dec_max_span=max((hi - lo for _, lo, hi, _ in dec), default=0),
         pre_max_span=max((hi - lo for _, lo, hi, _ in pre), default=0),
         max_splits=max(n for n, _ in seq_split), num_slots=slots, max_blocks=width,
+        split_capacity=max((cdiv(max(s, cap_len), split) for q, s in zip(batch.query_lens, batch.seq_lens)
+                            if split and q <= SPLIT_MAX_QLEN), default=1),
     )
 
 
@@ -440,7 +443,9 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         if interp:
             hb, dc, st = _pow2(heads), _pow2(spec.kv_lora_rank), 16
         else:
-            hb, dc, st = combine_tiles(num_tokens, heads, spec.kv_lora_rank, plan.max_splits, _num_sms(dev))
+            # Splits as the plan may hold them: a captured graph keeps this launch for longer sequences.
+            splits = max(plan.max_splits, plan.split_capacity)
+            hb, dc, st = combine_tiles(num_tokens, heads, spec.kv_lora_rank, splits, _num_sms(dev))
         K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
             plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
             R=spec.kv_lora_rank, HB=hb, DC=dc, ST=st, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,

@@ -282,6 +282,8 @@ def test_replan_into_rejects_other_shapes(kern):
         kern.plan_attention(AttentionBatch((1,), (20,), ((0, 1),)), spec, split_tokens=24)
     grown = kern.plan_attention(AttentionBatch((1, 1), (40, 64), ((0, 1, 4), (2, 3, 5, 6))), spec, into=plan)
     assert grown.meta is plan.meta and grown.batch.seq_lens == (40, 64)
+    # The captured launches (the combine's split width) are sized for the splits the plan can grow to.
+    assert plan.max_splits == 2 and plan.split_capacity == grown.split_capacity == 4 >= grown.max_splits
 
 
 @pytest.mark.parametrize("cvt", [0, 1])
