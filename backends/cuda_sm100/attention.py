@@ -474,11 +474,13 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
 
 
 def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 cache and queries at DeepSeek's
-    dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
+    """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 queries, bf16 or FP8 cache at
+    DeepSeek's dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
     if os.environ.get("DEEPINFER_MLA_GLUON", "1") == "0" or device.type != "cuda":
         return False
-    if spec.dtype != "bf16" or q_dtype != torch.bfloat16 or (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
+    if spec.dtype not in ("bf16", "fp8_e4m3") or q_dtype != torch.bfloat16:
+        return False
+    if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
         return False
     if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
         return False
@@ -504,10 +506,10 @@ def _launch_gluon(spec, q_nope, q_pe, cache, plan, items, row_tiles, tail) -> bo
 
     G = _gluon_kernels()
     G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
-        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        cache, cache, cache.stride(0), cache.stride(1), cache.stride(0), cache.stride(1), spec.kv_lora_rank,
-        spec.block_size, plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
-        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs(),
+        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *_cache_views(spec, cache),
+        plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
+        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
+        **launch_kwargs(),
     )
     return True
 

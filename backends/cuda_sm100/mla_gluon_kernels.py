@@ -1,4 +1,4 @@
-"""MLA decode over the paged bf16 latent cache in Gluon, for 64-row tiles (64 query heads a program).
+"""MLA decode over the paged latent cache (bf16 or FP8) in Gluon, for 64-row tiles (64 query heads a program).
 
 Why a second kernel: Triton 3.6 compiles mla_attn_kernel's 64-row tile with both warpgroups computing the
 whole 64 x 64 score tile (its layout rule for chained dots puts all warps along M), on 32-wide wgmma
@@ -12,11 +12,14 @@ layouts and shared memory explicitly, so here:
   the 512 output columns;
 - key tile i + 2 is copied (cp.async) into the buffer tile i leaves, right after tile i's last MMA, so a
   tile's copy has a whole iteration of MMAs and softmax to land, and block-table entries are read one tile
-  earlier still.
+  earlier still;
+- FP8 cache: the E4M3 bytes are copied the same way (half the bytes) with their scales loaded into registers
+  alongside, and each tile is dequantised once into a bf16 tile in shared memory that both MMAs read (the
+  shared memory of the second bf16 buffer holds the two byte buffers).
 
 Same contract as mla_attn_kernel (work items, rows = query x head, direct or partial outputs with log-sum-exp),
-restricted to what attention.gluon_tile_usable checks: bf16 cache and queries, rank 512, rope 64, tiles
-aligned to blocks. GPU only: Gluon has no interpreter, so the conformance tests run it on the H200 and the
+restricted to what attention.gluon_tile_usable checks: bf16 queries, rank 512, rope 64, tiles aligned to
+blocks. GPU only: Gluon has no interpreter, so the conformance tests run it on the H200 and the
 CPU tests exercise mla_attn_kernel.
 """
 
@@ -53,11 +56,10 @@ def _block_of(bt_row, start, kv_end, BS):
 
 
 @gluon.jit
-def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, rope_sb, rope_st,
-               rope_off, LAT_L: gl.constexpr, PE_L: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
-               BN: gl.constexpr):
-    """cp.async keys [start, start + BN) of block blk into k_buf [BN, R] and kpe_buf [BN, P], one commit
-    group; keys past kv_end are zero-filled (their scores are masked)."""
+def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off,
+               LAT_L: gl.constexpr, PE_L: gl.constexpr, R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr):
+    """cp.async keys [start, start + BN) of block blk into k_buf [BN, R] (bf16, or E4M3 bytes) and kpe_buf
+    [BN, P], one commit group; keys past kv_end are zero-filled (their scores are masked)."""
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, LAT_L))
     off = (start % BS + n).to(gl.int64)
     c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_L))
@@ -66,25 +68,56 @@ def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb
     n2 = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
     off2 = (start % BS + n2).to(gl.int64)
     c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
-    ptrs2 = rope_ptr + (blk * rope_sb + off2 * rope_st + rope_off)[:, None] + c2[None, :]
+    # Rows are 16-byte aligned (576 bf16 values, or 656 bytes with the rope at byte 528), which the FP8
+    # strides (328 bf16 elements) do not show the compiler: say so, for 16-byte copies.
+    rrow = gl.multiple_of(blk * rope_sb + off2 * rope_st + rope_off, 8)
+    ptrs2 = rope_ptr + rrow[:, None] + c2[None, :]
     async_copy.async_copy_global_to_shared(kpe_buf, ptrs2, mask=(start + n2 < kv_end)[:, None])
     async_copy.commit_group()
 
 
 @gluon.jit
+def _load_scales(scl_ptr, blk, start, kv_end, BS, scl_sb, scl_st, scale_off, SC_L: gl.constexpr, G: gl.constexpr,
+                 BN: gl.constexpr):
+    """The per-token FP8 scales [BN, G] of the key tile at `start` (0 past kv_end), one 16-byte load a row."""
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, SC_L))
+    g = gl.arange(0, G, layout=gl.SliceLayout(0, SC_L))
+    off = (start % BS + n).to(gl.int64)
+    return gl.load(scl_ptr + (blk * scl_sb + off * scl_st + scale_off)[:, None] + g[None, :],
+                   mask=(start + n < kv_end)[:, None], other=0.0)
+
+
+@gluon.jit
+def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: gl.constexpr):
+    """E4M3 tile k8 [BN, R] times its per-token scales [BN, R / 128] -> bf16 tile kb, 128 columns at a time."""
+    g_idx = gl.arange(0, R // 128, layout=gl.SliceLayout(0, SC_L))
+    for g in gl.static_range(R // 128):
+        sc = gl.sum(gl.where(g_idx[None, :] == g, scales, 0.0), axis=1)  # each thread holds its rows' scales
+        x = k8.slice(g * 128, 128, dim=1).load(DQ_L).to(gl.float32)
+        y = x * gl.convert_layout(sc, gl.SliceLayout(1, DQ_L))[:, None]
+        kb.slice(g * 128, 128, dim=1).store(y.to(gl.bfloat16))
+
+
+@gluon.jit
 def mla_attn_gluon_kernel(
     q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
-    lat_ptr, rope_ptr, lat_sb, lat_st, rope_sb, rope_st, rope_off, BS,
+    lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
-    R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, PDL: gl.constexpr = False,
+    R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, FP8: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
-    """One program = one work item x one tile of BM query rows, as mla_attn_kernel (see its docstring)."""
+    """One program = one work item x one tile of BM query rows, as mla_attn_kernel (see its docstring; the
+    cache views and strides are the same). FP8: the E4M3 tile is copied as bytes and dequantised into one bf16
+    tile in shared memory, which both MMAs read."""
     # Distributed layouts: copies (16-byte vectors along a row), scores (warpgroups split the keys),
-    # output (warpgroups split the 512 columns).
-    LAT_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    # output (warpgroups split the 512 columns), FP8 dequantisation and scale copies.
+    LAT_L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0]) if FP8 else gl.BlockedLayout(
+        [1, 8], [1, 32], [8, 1], [1, 0])
     PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
+    SC_L: gl.constexpr = gl.BlockedLayout([1, R // 128], [8, 4], [8, 1], [1, 0])  # rows as DQ_L's, 4 scales a thread
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
@@ -110,9 +143,15 @@ def mla_attn_gluon_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], LAT_S)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], PE_S)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], LAT_S)
     kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], P_S)
+    if FP8:
+        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BN, R],
+                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        kb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, R], LAT_S)
+    else:
+        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], LAT_S)
+        kb_smem = q_smem  # unused
 
     # Queries (one commit group), then key tiles 0 and 1.
     r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LAT_L))
@@ -130,10 +169,18 @@ def mla_attn_gluon_kernel(
     async_copy.commit_group()
     tile_args = (lat_ptr, rope_ptr)
     addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
+    scale_args = (kv_end, BS, scl_sb, scl_st, scale_off)
+    # FP8 scales ride in registers, loaded with their tile's copies: sc_a for the tile in use, sc_b the next.
+    sc_a = gl.zeros([BN, R // 128], gl.float32, layout=SC_L)
+    sc_b = sc_a
     blk = _block_of(bt_row, kv_lo, kv_end, BS)
     _copy_tile(k_bufs.index(0), kpe_bufs.index(0), *tile_args, blk, kv_lo, *addr_args, LAT_L, PE_L, R, P, BN)
+    if FP8:
+        sc_a = _load_scales(scl_ptr, blk, kv_lo, *scale_args, SC_L, R // 128, BN)
     blk = _block_of(bt_row, kv_lo + BN, kv_end, BS)
     _copy_tile(k_bufs.index(1), kpe_bufs.index(1), *tile_args, blk, kv_lo + BN, *addr_args, LAT_L, PE_L, R, P, BN)
+    if FP8:
+        sc_b = _load_scales(scl_ptr, blk, kv_lo + BN, *scale_args, SC_L, R // 128, BN)
     blk_next = _block_of(bt_row, kv_lo + 2 * BN, kv_end, BS)
 
     # Score-side row data (query position of each row) and running softmax state.
@@ -149,9 +196,15 @@ def mla_attn_gluon_kernel(
         buf = t % 2
         start = kv_lo + t * BN
         async_copy.wait_group(1)  # this tile's group (and the queries') have landed; the next may be in flight
-        gl.thread_barrier()  # ... in every thread's copies
-        fence_async_shared()  # generic-proxy writes -> visible to the wgmma's async-proxy reads
-        k = k_bufs.index(buf)
+        fence_async_shared()  # copies are generic-proxy writes: order them before the wgmma's async-proxy reads
+        gl.thread_barrier()  # ... in every thread
+        if FP8:
+            _dequantize_tile(k_bufs.index(buf), sc_a, kb_smem, DQ_L, SC_L, R)
+            fence_async_shared()
+            gl.thread_barrier()
+            k = kb_smem
+        else:
+            k = k_bufs.index(buf)
         s = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qpe_smem, kpe_bufs.index(buf).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -171,6 +224,8 @@ def mla_attn_gluon_kernel(
         gl.thread_barrier()  # every warpgroup is done with this buffer (and with P) before it is refilled
         _copy_tile(k_bufs.index(buf), kpe_bufs.index(buf), *tile_args, blk_next, start + 2 * BN, *addr_args, LAT_L,
                    PE_L, R, P, BN)
+        if FP8:
+            sc_a, sc_b = sc_b, _load_scales(scl_ptr, blk_next, start + 2 * BN, *scale_args, SC_L, R // 128, BN)
         blk_next = _block_of(bt_row, start + 3 * BN, kv_end, BS)
     async_copy.wait_group(0)
 
