@@ -489,11 +489,14 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
 
 @functools.cache
 def _gluon_kernels():
-    """The Gluon kernel module, or None where this Triton has no Gluon (it is experimental)."""
-    try:
-        from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
-    except ImportError:
+    """The Gluon kernel module, or None: Gluon is experimental and its API moves between Triton releases, so
+    only the release the kernel was written and tested against (3.6) runs it."""
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) != (3, 6):
         return None
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
+
     return mla_gluon_kernels
 
 
