@@ -480,8 +480,12 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
         return False
     if spec.dtype not in ("bf16", "fp8_e4m3") or q_dtype != torch.bfloat16:
         return False
-    if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
-        return False
+    return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and _gluon_runs_on(device)
+
+
+@functools.cache
+def _gluon_runs_on(device: torch.device) -> bool:
+    """Hopper (wgmma, not SM100's tcgen05), the Triton the kernel was written for, and its shared memory."""
     if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
         return False
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= _gluon_kernels().SMEM_BYTES

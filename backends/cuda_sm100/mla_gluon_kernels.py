@@ -56,6 +56,18 @@ def _block_of(bt_row, start, kv_end, BS):
 
 
 @gluon.jit
+def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, L: gl.constexpr, BM: gl.constexpr,
+                     W: gl.constexpr):
+    """cp.async the tile's query rows (row = query x H + head) of a [T, H, W] tensor into smem [BM, W]; rows
+    past the sequence's queries (or of padding items) are zero-filled."""
+    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
+    tok = (tok0 + r // H).to(gl.int64)
+    c = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    async_copy.async_copy_global_to_shared(smem, ptr + (tok * stride_t + (r % H) * stride_h)[:, None] + c[None, :],
+                                           mask=((r // H < qlen) & (slot >= -1))[:, None])
+
+
+@gluon.jit
 def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off,
                LAT_L: gl.constexpr, PE_L: gl.constexpr, R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr):
     """cp.async keys [start, start + BN) of block blk into k_buf [BN, R] (bf16, or E4M3 bytes) and kpe_buf
@@ -113,8 +125,8 @@ def mla_attn_gluon_kernel(
     tile in shared memory, which both MMAs read."""
     # Distributed layouts: copies (16-byte vectors along a row), scores (warpgroups split the keys),
     # output (warpgroups split the 512 columns), FP8 dequantisation and scale copies.
-    LAT_L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0]) if FP8 else gl.BlockedLayout(
-        [1, 8], [1, 32], [8, 1], [1, 0])
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    LAT_L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0]) if FP8 else Q_L
     PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
     SC_L: gl.constexpr = gl.BlockedLayout([1, R // 128], [8, 4], [8, 1], [1, 0])  # rows as DQ_L's, 4 scales a thread
@@ -154,18 +166,9 @@ def mla_attn_gluon_kernel(
         kb_smem = q_smem  # unused
 
     # Queries (one commit group), then key tiles 0 and 1.
-    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, LAT_L))
-    rq = (r // H < qlen) & (slot >= -1)
-    tq = (tok0 + r // H).to(gl.int64)
-    c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_L))
-    async_copy.async_copy_global_to_shared(q_smem, q_ptr + (tq * q_st + (r % H) * q_sh)[:, None] + c[None, :],
-                                           mask=rq[:, None])
-    r2 = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PE_L))
-    rq2 = (r2 // H < qlen) & (slot >= -1)
-    tq2 = (tok0 + r2 // H).to(gl.int64)
-    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
-    async_copy.async_copy_global_to_shared(qpe_smem, qpe_ptr + (tq2 * qpe_st + (r2 % H) * qpe_sh)[:, None] + c2[None, :],
-                                           mask=rq2[:, None])
+    row_args = (row0, H, tok0, qlen, slot)
+    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, *row_args, Q_L, BM, R)
+    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, *row_args, PE_L, BM, P)
     async_copy.commit_group()
     tile_args = (lat_ptr, rope_ptr)
     addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
