@@ -190,7 +190,9 @@ def mla_attn_gluon_kernel(
     rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
     pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
     m_i = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, S_L))
+    # Row sums stay per column until the end: summing the 64 keys every tile would take a cross-warpgroup
+    # reduction (shared memory and barriers) that the running max already pays for.
+    l_cols = gl.zeros([BM, BN], gl.float32, layout=S_L)
     acc = gl.zeros([BM, R], gl.float32, layout=O_L)
     s_zero = gl.zeros([BM, BN], gl.float32, layout=S_L)
     kn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
@@ -216,7 +218,7 @@ def mla_attn_gluon_kernel(
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        l_cols = l_cols * alpha[:, None] + p
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -232,6 +234,7 @@ def mla_attn_gluon_kernel(
         blk_next = _block_of(bt_row, start + 3 * BN, kv_end, BS)
     async_copy.wait_group(0)
 
+    l_i = gl.sum(l_cols, axis=1)
     has = l_i > 0.0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
