@@ -171,6 +171,20 @@ def test_split_rule_gives_about_one_wave_of_programs(monkeypatch, heads, seq_len
     assert A._item_rows(AttentionBatch((1, 2, 9), (5, 6, 9), ((0,), (0,), (0,))), spec) == 2 * heads
 
 
+def test_split_rule_picks_the_splits_the_h200_sweep_found_best(monkeypatch):
+    """128 heads (two 64-row programs an item), 132 SMs: the splits that measured fastest on the H200
+    (benchmarks/RESULTS.md, issue 8, tenth session), bf16 and FP8 alike; 16 heads keep the measured 2048 at
+    128 x 4096."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    monkeypatch.setattr(A, "_num_sms", lambda device: 132)
+    monkeypatch.delenv("DEEPINFER_MLA_SPLIT_TOKENS", raising=False)
+    best = {((4096,) * 64, 128): 4096, ((32768,) * 16, 128): 8192, ((65536,), 128): 1024, ((4096,) * 4, 128): 256,
+            ((1024,) * 32, 128): 512, ((4096,) * 128, 16): 2048}
+    for (lens, heads), split in best.items():
+        assert A.choose_split_tokens(list(lens), torch.device("cuda"), heads) == split, (len(lens), lens[0], heads)
+
+
 def test_query_heads_must_not_be_negative():
     with pytest.raises(InvalidInputError, match="query_heads"):
         KVCacheSpec(4, 64, 512, 64, "bf16", -1)
