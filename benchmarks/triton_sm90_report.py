@@ -1,4 +1,4 @@
-"""Compile a Triton kernel for sm_90 on a machine without a GPU and report what ptxas made of it.
+"""Compile a Triton (or Gluon) kernel for sm_90 on a machine without a GPU and report what ptxas made of it.
 
 Triton wheels ship ptxas, so the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs anywhere. The
 report gives registers per thread, spilled stack bytes, shared memory, and how many loads the pipeliner
@@ -47,6 +47,8 @@ def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stage
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     del fn
+    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels (mla_gluon_kernels) take their own source
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
