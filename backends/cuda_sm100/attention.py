@@ -22,7 +22,6 @@ and CPU tensors when the Triton interpreter is off.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
+from deepinfer.backends.cuda_sm100 import mla_launch as L
 from deepinfer.backends.reference import attention as ref
 from deepinfer.errors import InvalidInputError
 from deepinfer.quant import FP8_BLOCK, cdiv
@@ -308,14 +308,10 @@ def _cache_views(spec: KVCacheSpec, cache: torch.Tensor):
             rope.stride(0), rope.stride(1), scale_off, rope_off, spec.block_size)
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def _dims(spec: KVCacheSpec) -> dict:
     r, p = spec.kv_lora_rank, spec.rope_dim
-    ch = min(FP8_BLOCK, _pow2(r))
-    return dict(R=r, P=p, CH=ch, NC=cdiv(r, ch), PP=_pow2(p))
+    ch = min(FP8_BLOCK, L.pow2(r))
+    return dict(R=r, P=p, CH=ch, NC=cdiv(r, ch), PP=L.pow2(p))
 
 
 def _usable(plan: AttentionPlan, cache: torch.Tensor) -> bool:
@@ -333,6 +329,7 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     if not _usable(plan, cache):
         return ref.write_cache(plan, cache, c_kv, k_pe)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
+    from deepinfer.backends.cuda_sm100 import mla_launch as L
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
@@ -423,7 +420,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         if items.shape[0] == 0:
             continue
         rows = qmax * heads
-        cfg = attn_config(rows, spec, interp, plan.batch_invariant, f32, one_tile=0 < plan.split_tokens <= 64)
+        cfg = L.attn_config(rows, spec, interp, plan.batch_invariant, f32, one_tile=0 < plan.split_tokens <= 64)
         row_tiles = cdiv(rows, cfg["BM"])
         grid = (items.shape[0] * row_tiles,)
         # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
@@ -432,93 +429,26 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
         # interpreter folds wherever BM != 64, so that both paths stay tested.
         fold_ok = lambda bm: interp and bm != 64  # noqa: E731
-        if cfg["BM"] == 64 and aligned(64) and _launch_gluon(spec, q_nope, q_pe, cache, plan, items, row_tiles,
-                                                             tail):
+        if cfg["BM"] == 64 and aligned(64) and L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles,
+                                                              tail):
             continue
-        _launch(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
+        L.launch_triton(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
                      DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok)
     if plan.num_slots:
         # The interpreter pays per program, so there one program takes all heads and columns of a token.
         if interp:
-            hb, dc, st = _pow2(heads), _pow2(spec.kv_lora_rank), 16
+            hb, dc, st = L.pow2(heads), L.pow2(spec.kv_lora_rank), 16
         else:
             # Splits as the plan may hold them: a captured graph keeps this launch for longer sequences.
             splits = max(plan.max_splits, plan.split_capacity)
-            hb, dc, st = combine_tiles(num_tokens, heads, spec.kv_lora_rank, splits, _num_sms(dev))
+            hb, dc, st = L.combine_tiles(num_tokens, heads, spec.kv_lora_rank, splits, _num_sms(dev))
         K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
             plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
             R=spec.kv_lora_rank, HB=hb, DC=dc, ST=st, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
             num_warps=4, **launch_kwargs(),
         )
     return (out, lse) if return_lse else out
-
-
-def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: int) -> tuple[int, int, int]:
-    """(heads, columns, splits) one combine program takes at a time: every split at once where they fit (its
-    loop is a chain of dependent loads), whole latent rows of several heads while that leaves ~2 programs per
-    SM, narrower otherwise; at most 8192 partial values in flight (64 registers a thread). H200, 64 x 4096 keys
-    x 128 heads, 4 splits: one head x 128 columns x 16 split slots a program took 0.11 ms, a third of the
-    attention step (benchmarks/RESULTS.md, issue 8)."""
-    st = min(64, 1 << max(max_splits - 1, 0).bit_length())
-    hb, dc = 8, 1 << (rank - 1).bit_length()
-
-    def too_big() -> bool:
-        return st * hb * dc > 8192 or num_tokens * cdiv(heads, hb) * cdiv(rank, dc) < 2 * sms
-
-    while hb > 1 and too_big():
-        hb //= 2
-    while dc > 64 and too_big():
-        dc //= 2
-    return hb, dc, st
-
-
-def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 queries, bf16 or FP8 cache at
-    DeepSeek's dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
-    if os.environ.get("DEEPINFER_MLA_GLUON", "1") == "0" or device.type != "cuda":
-        return False
-    if spec.dtype not in ("bf16", "fp8_e4m3") or q_dtype != torch.bfloat16:
-        return False
-    return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and _gluon_runs_on(device)
-
-
-@functools.cache
-def _gluon_runs_on(device: torch.device) -> bool:
-    """Hopper (wgmma, not SM100's tcgen05), the Triton the kernel was written for, and its shared memory."""
-    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
-        return False
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= _gluon_kernels().SMEM_BYTES
-
-
-@functools.cache
-def _gluon_kernels():
-    """The Gluon kernel module, or None: Gluon is experimental and its API moves between Triton releases, so
-    only the release the kernel was written and tested against (3.6) runs it."""
-    import triton
-
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) != (3, 6):
-        return None
-    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
-
-    return mla_gluon_kernels
-
-
-def _launch_gluon(spec, q_nope, q_pe, cache, plan, items, row_tiles, tail) -> bool:
-    """Run 64-row tiles on the Gluon kernel; False (nothing launched) where it does not apply, and the caller
-    launches mla_attn_kernel."""
-    if not gluon_tile_usable(spec, q_nope.dtype, cache.device):
-        return False
-    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
-
-    G = _gluon_kernels()
-    G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
-        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *_cache_views(spec, cache),
-        plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
-        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
-        **launch_kwargs(),
-    )
-    return True
 
 
 def _workspace(plan: MLAPlan, heads: int, device: torch.device):
@@ -531,97 +461,3 @@ def _workspace(plan: MLAPlan, heads: int, device: torch.device):
             torch.empty(rows, heads, dtype=torch.float32, device=device),
         )
     return ws
-
-
-# --- launch configuration ----------------------------------------------------------------------------------
-
-# (BM, BN, num_warps, num_stages[, fold, cvt]) candidates, best first; a launch that runs out of shared memory
-# or registers moves down the list (remembered per shape), so an untried GPU never fails a step. fold / cvt
-# (FP8 only): fold the scales into scores and probabilities, and which E4M3 conversion (fp8_operand's CVT);
-# without them the tile is dequantised by the cvt chain.
-# Rank 512 (DeepSeek): candidates from sm_90 compiles (benchmarks/triton_sm90_report.py: few or no spills,
-# asynchronous copies in the key loop) ordered by H200 timings (benchmarks/mla_decode.py --sweep). 64-row
-# tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync. Splitting
-# the output columns over two one-warpgroup programs (two per SM) measured 1.5x slower at 128 heads: both
-# recompute the scores.
-# 16 / 32-row tiles: one warpgroup per program, two programs per SM (registers allow two at 4 warps, one at 8),
-# hide each other's load latency (H200, 2026-11-30). 16 heads: bf16 9% faster at 128x4096 and 1x16384, FP8
-# with folded scales and bit-placed conversion 10-28% faster. 32 heads: bf16 2.0-2.4x at 64x4096 and 16x32768
-# (despite 32-64 bytes of spills), FP8 9-12%. Items of a single key tile ("one-tile": 64-key splits, steps of
-# at most TINY_STEP_KEYS keys) have no key loop to overlap, and keep 8 warps (16 heads, 1x1024: bf16 11.7 vs
-# 12.1 us, FP8 14.0 vs 15.4).
-_GPU_CONFIGS = {
-    ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
-    ("big", 32, False): [(32, 64, 4, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big-one-tile", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big", 16, False): [(16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
-    ("big-one-tile", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
-    ("big", 64, True): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
-    ("big", 32, True): [(32, 32, 4, 2, 1, 1), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big-one-tile", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
-    ("big", 16, True): [(16, 32, 4, 2, 1, 1), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
-    ("big-one-tile", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
-}
-for _bm in (16, 32, 64):
-    for _fp8 in (False, True):
-        _GPU_CONFIGS[("small", _bm, _fp8)] = [(_bm, 64, 4, 2), (_bm, 32, 4, 1)]
-for _fp8 in (False, True):  # float32 attention (IEEE MMAs run on the FMA units): 16-row tiles, short key tiles
-    _GPU_CONFIGS[("f32-big", 16, _fp8)] = [(16, 16, 4, 1), (16, 16, 4, 2)]  # rank 512: fewest spills
-    _GPU_CONFIGS[("f32-small", 16, _fp8)] = [(16, 32, 4, 2), (16, 16, 4, 1)]
-_CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
-_chosen: dict = {}
-
-
-def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False,
-                one_tile: bool = False) -> dict:
-    """The launch configuration for tiles of `rows` query rows; one_tile: every item spans at most 64 keys."""
-    if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
-        bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, _pow2(rows))  # 64: the GPU's wgmma tile
-        # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
-        return dict(BM=bm, BN=64, num_warps=4, num_stages=1, CVT=int(bm != 64))
-    override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt]]": benchmark sweeps
-    if override:
-        v = [int(x) for x in override.split(",")]
-        cfg = dict(zip(_CONFIG_FIELDS, v[:4]))
-        if len(v) > 4:
-            cfg["FOLD"] = bool(v[4])
-        if len(v) > 5:
-            cfg["CVT"] = v[5]
-        return cfg
-    size = "big" if spec.kv_lora_rank > 128 else "small"
-    if f32:
-        key = (f"f32-{size}", 16, spec.is_fp8)
-        return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
-    # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
-    bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
-    key = (size, bm, spec.is_fp8)
-    if one_tile and (f"{size}-one-tile", bm, spec.is_fp8) in _GPU_CONFIGS:  # only where they differ
-        key = (f"{size}-one-tile", bm, spec.is_fp8)
-    return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
-
-
-def _launch(kernel, grid, args, consts, cfg, aligned, fold_ok):
-    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
-
-    key = cfg.pop("_key", None)
-    if key is None:
-        cfg.setdefault("FOLD", fold_ok(cfg["BM"]))
-        cfg.setdefault("CVT", 0)
-        kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]), **launch_kwargs())
-        return
-    shape_key = (key, tuple(sorted(consts.items())))
-    start = _chosen.get(shape_key, 0)
-    from triton.runtime.errors import OutOfResources
-
-    for i, cand in enumerate(_GPU_CONFIGS[key][start:], start):
-        c = dict(zip(_CONFIG_FIELDS, cand))
-        if c["BM"] != cfg["BM"]:
-            continue
-        fold, cvt = (bool(cand[4]), cand[5]) if len(cand) > 4 else (fold_ok(c["BM"]), 0)
-        try:
-            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold, CVT=cvt, **launch_kwargs())
-            _chosen[shape_key] = i
-            return
-        except OutOfResources:
-            continue
-    raise InvalidInputError(f"no MLA kernel configuration fits this GPU for {consts}")

@@ -18,7 +18,7 @@ layouts and shared memory explicitly, so here:
   shared memory of the second bf16 buffer holds the two byte buffers).
 
 Same contract as mla_attn_kernel (work items, rows = query x head, direct or partial outputs with log-sum-exp),
-restricted to what attention.gluon_tile_usable checks: bf16 queries, rank 512, rope 64, tiles aligned to
+restricted to what mla_launch.gluon_tile_usable checks: bf16 queries, rank 512, rope 64, tiles aligned to
 blocks. GPU only: Gluon has no interpreter, so the conformance tests run it on the H200 and the
 CPU tests exercise mla_attn_kernel.
 """

@@ -124,7 +124,7 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     """64-row tiles on the Gluon kernel (128 heads; 16 heads x 4 queries), bf16 and FP8 caches: against the
     reference, and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the
     sequence, causal queries, direct and split items; the launch counter proves the Gluon kernel ran."""
-    from deepinfer.backends.cuda_sm100 import attention as A
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
@@ -137,8 +137,8 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     cache = filled_cache(kern, spec, gen)
     q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
     ran = []
-    real = A._launch_gluon
-    monkeypatch.setattr(A, "_launch_gluon", lambda *a: ran.append(real(*a)) or ran[-1])
+    real = A.launch_gluon
+    monkeypatch.setattr(A, "launch_gluon", lambda *a: ran.append(real(*a)) or ran[-1])
     batch = AttentionBatch(query_lens, seq_lens, tables)
     _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
     assert any(ran)
@@ -196,7 +196,7 @@ def test_query_heads_must_not_be_negative():
 def test_combine_tiles_cover_the_rows_within_the_register_budget(num_tokens, heads, max_splits):
     """The GPU combine's program shape (plain Python): powers of two within the row, at most 8192 partial
     values a program, and more programs (narrower tiles) when the step has few tokens."""
-    from deepinfer.backends.cuda_sm100.attention import combine_tiles
+    from deepinfer.backends.cuda_sm100.mla_launch import combine_tiles
 
     hb, dc, st = combine_tiles(num_tokens, heads, 512, max_splits, 132)
     for v in (hb, dc, st):
@@ -214,7 +214,7 @@ def test_combine_tiles_cover_the_rows_within_the_register_budget(num_tokens, hea
 def test_every_gpu_launch_has_a_configuration(rank, kv_dtype, monkeypatch):
     """The GPU's configuration table covers every (rows, rank, cache, mode) a launch can ask for: plain
     Python, so a hole in it fails on CPU too, not first on a GPU."""
-    from deepinfer.backends.cuda_sm100 import attention as A
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     monkeypatch.delenv("DEEPINFER_MLA_CONFIG", raising=False)  # a benchmark's override bypasses the table
 

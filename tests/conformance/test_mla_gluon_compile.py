@@ -47,7 +47,7 @@ def _compile(fp8: bool):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(fp8):
-    from deepinfer.backends.cuda_sm100 import attention as A
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     if A._gluon_kernels() is None:
         pytest.skip(f"the Gluon kernel is written for Triton 3.6 (this is {triton.__version__})")

@@ -1,0 +1,186 @@
+"""Which kernel and tile shape each cuda_sm100 MLA launch takes: the Triton kernel's configuration table, the
+Gluon kernel for 64-row tiles where it runs, and the combine's program shape. attention.run_attention asks;
+plain Python (the tables are tested on CPU), kernels imported at launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from deepinfer.attention import KVCacheSpec
+from deepinfer.errors import InvalidInputError
+from deepinfer.quant import cdiv
+
+
+def pow2(n: int) -> int:
+    """The next power of two, at least 16 (Triton block sizes)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+# --- the Triton kernel's tiles ------------------------------------------------------------------------------
+
+# (BM, BN, num_warps, num_stages[, fold, cvt]) candidates, best first; a launch that runs out of shared memory
+# or registers moves down the list (remembered per shape), so an untried GPU never fails a step. fold / cvt
+# (FP8 only): fold the scales into scores and probabilities, and which E4M3 conversion (fp8_operand's CVT);
+# without them the tile is dequantised by the cvt chain.
+# Rank 512 (DeepSeek): candidates from sm_90 compiles (benchmarks/triton_sm90_report.py: few or no spills,
+# asynchronous copies in the key loop) ordered by H200 timings (benchmarks/mla_decode.py --sweep). 64-row
+# tiles use wgmma and need 8 warps for the 64 x 512 fp32 accumulator; 16 / 32-row tiles use mma.sync. Splitting
+# the output columns over two one-warpgroup programs (two per SM) measured 1.5x slower at 128 heads: both
+# recompute the scores.
+# 16 / 32-row tiles: one warpgroup per program, two programs per SM (registers allow two at 4 warps, one at 8),
+# hide each other's load latency (H200, 2026-11-30). 16 heads: bf16 9% faster at 128x4096 and 1x16384, FP8
+# with folded scales and bit-placed conversion 10-28% faster. 32 heads: bf16 2.0-2.4x at 64x4096 and 16x32768
+# (despite 32-64 bytes of spills), FP8 9-12%. Items of a single key tile ("one-tile": 64-key splits, steps of
+# at most attention.TINY_STEP_KEYS keys) have no key loop to overlap, and keep 8 warps (16 heads, 1x1024: bf16
+# 11.7 vs 12.1 us, FP8 14.0 vs 15.4).
+_GPU_CONFIGS = {
+    ("big", 64, False): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
+    ("big", 32, False): [(32, 64, 4, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big-one-tile", 32, False): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 16, False): [(16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
+    ("big-one-tile", 16, False): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 1)],
+    ("big", 64, True): [(64, 64, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2)],
+    ("big", 32, True): [(32, 32, 4, 2, 1, 1), (32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big-one-tile", 32, True): [(32, 32, 8, 2), (32, 16, 8, 2), (32, 16, 4, 1)],
+    ("big", 16, True): [(16, 32, 4, 2, 1, 1), (16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+    ("big-one-tile", 16, True): [(16, 64, 8, 2), (16, 32, 8, 2), (16, 16, 4, 2)],
+}
+for _bm in (16, 32, 64):
+    for _fp8 in (False, True):
+        _GPU_CONFIGS[("small", _bm, _fp8)] = [(_bm, 64, 4, 2), (_bm, 32, 4, 1)]
+for _fp8 in (False, True):  # float32 attention (IEEE MMAs run on the FMA units): 16-row tiles, short key tiles
+    _GPU_CONFIGS[("f32-big", 16, _fp8)] = [(16, 16, 4, 1), (16, 16, 4, 2)]  # rank 512: fewest spills
+    _GPU_CONFIGS[("f32-small", 16, _fp8)] = [(16, 32, 4, 2), (16, 16, 4, 1)]
+_CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
+_chosen: dict = {}
+
+
+def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False,
+                one_tile: bool = False) -> dict:
+    """The launch configuration for tiles of `rows` query rows; one_tile: every item spans at most 64 keys."""
+    if interp:  # few, large programs: the interpreter's cost is per program and per op, not per element
+        bm = 64 if batch_invariant or 16 < rows <= 64 else min(512, pow2(rows))  # 64: the GPU's wgmma tile
+        # Both FP8 conversions get exercised: bit placement where the scales fold, the cvt chain elsewhere.
+        return dict(BM=bm, BN=64, num_warps=4, num_stages=1, CVT=int(bm != 64))
+    override = os.environ.get("DEEPINFER_MLA_CONFIG")  # "BM,BN,warps,stages[,fold[,cvt]]": benchmark sweeps
+    if override:
+        v = [int(x) for x in override.split(",")]
+        cfg = dict(zip(_CONFIG_FIELDS, v[:4]))
+        if len(v) > 4:
+            cfg["FOLD"] = bool(v[4])
+        if len(v) > 5:
+            cfg["CVT"] = v[5]
+        return cfg
+    size = "big" if spec.kv_lora_rank > 128 else "small"
+    if f32:
+        key = (f"f32-{size}", 16, spec.is_fp8)
+        return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
+    # Batch-invariant: one tile shape whatever the query count, so every row takes the same MMA path.
+    bm = 64 if batch_invariant or rows > 32 else (32 if rows > 16 else 16)
+    key = (size, bm, spec.is_fp8)
+    if one_tile and (f"{size}-one-tile", bm, spec.is_fp8) in _GPU_CONFIGS:  # only where they differ
+        key = (f"{size}-one-tile", bm, spec.is_fp8)
+    return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
+
+
+def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok):
+    """mla_attn_kernel with cfg (attn_config's): its table's candidates in order, past any that ran out of
+    shared memory or registers on this GPU (remembered per shape)."""
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
+    key = cfg.pop("_key", None)
+    if key is None:
+        cfg.setdefault("FOLD", fold_ok(cfg["BM"]))
+        cfg.setdefault("CVT", 0)
+        kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]), **launch_kwargs())
+        return
+    shape_key = (key, tuple(sorted(consts.items())))
+    start = _chosen.get(shape_key, 0)
+    from triton.runtime.errors import OutOfResources
+
+    for i, cand in enumerate(_GPU_CONFIGS[key][start:], start):
+        c = dict(zip(_CONFIG_FIELDS, cand))
+        if c["BM"] != cfg["BM"]:
+            continue
+        fold, cvt = (bool(cand[4]), cand[5]) if len(cand) > 4 else (fold_ok(c["BM"]), 0)
+        try:
+            kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold, CVT=cvt, **launch_kwargs())
+            _chosen[shape_key] = i
+            return
+        except OutOfResources:
+            continue
+    raise InvalidInputError(f"no MLA kernel configuration fits this GPU for {consts}")
+
+
+# --- the combine's programs, and the Gluon kernel for 64-row tiles on Hopper --------------------------------
+
+
+def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: int) -> tuple[int, int, int]:
+    """(heads, columns, splits) one combine program takes at a time: every split at once where they fit (its
+    loop is a chain of dependent loads), whole latent rows of several heads while that leaves ~2 programs per
+    SM, narrower otherwise; at most 8192 partial values in flight (64 registers a thread). H200, 64 x 4096 keys
+    x 128 heads, 4 splits: one head x 128 columns x 16 split slots a program took 0.11 ms, a third of the
+    attention step (benchmarks/RESULTS.md, issue 8)."""
+    st = min(64, 1 << max(max_splits - 1, 0).bit_length())
+    hb, dc = 8, 1 << (rank - 1).bit_length()
+
+    def too_big() -> bool:
+        return st * hb * dc > 8192 or num_tokens * cdiv(heads, hb) * cdiv(rank, dc) < 2 * sms
+
+    while hb > 1 and too_big():
+        hb //= 2
+    while dc > 64 and too_big():
+        dc //= 2
+    return hb, dc, st
+
+
+def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 queries, bf16 or FP8 cache at
+    DeepSeek's dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
+    if os.environ.get("DEEPINFER_MLA_GLUON", "1") == "0" or device.type != "cuda":
+        return False
+    if spec.dtype not in ("bf16", "fp8_e4m3") or q_dtype != torch.bfloat16:
+        return False
+    return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and _gluon_runs_on(device)
+
+
+@functools.cache
+def _gluon_runs_on(device: torch.device) -> bool:
+    """Hopper (wgmma, not SM100's tcgen05), the Triton the kernel was written for, and its shared memory."""
+    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
+        return False
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= _gluon_kernels().SMEM_BYTES
+
+
+@functools.cache
+def _gluon_kernels():
+    """The Gluon kernel module, or None: Gluon is experimental and its API moves between Triton releases, so
+    only the release the kernel was written and tested against (3.6) runs it."""
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) != (3, 6):
+        return None
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
+
+    return mla_gluon_kernels
+
+
+def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> bool:
+    """Run 64-row tiles on the Gluon kernel (views: attention._cache_views of the cache); False (nothing
+    launched) where it does not apply, and the caller launches mla_attn_kernel."""
+    if not gluon_tile_usable(spec, q_nope.dtype, q_nope.device):
+        return False
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
+    G = _gluon_kernels()
+    G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
+        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
+        plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
+        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
+        **launch_kwargs(),
+    )
+    return True
