@@ -140,9 +140,11 @@ def sweep_configs(m: int, n: int, k: int) -> list[G.TileConfig]:
 
 def bench_fp8(sweep: bool, deadline: float) -> None:
     print("\n## FP8 block-scaled GEMM (bf16 out). TFLOPS = 2MNK/t, CUDA-graph replay; ratios: ours (GEMM only) / peer")
+    print("(tile kernel: gemm_kernels' Triton tile, which the Gluon kernel replaces from M = "
+          f"{G.gemm_gluon.MIN_ROWS} on Hopper; '-' where ours is that tile)")
     print("| M | N x K | ours GEMM | ours e2e (+act quant) | cuBLAS FP8 row-wise | bf16 matmul | ours/cuBLAS FP8 | ours/bf16 "
-          "| eager: ours / cuBLAS FP8 | best sweep cfg |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| eager: ours / cuBLAS FP8 | tile kernel | best sweep cfg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, k in SHAPES:
         w = fp8_weight(n, k)
         w_bf16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
@@ -158,6 +160,9 @@ def bench_fp8(sweep: bool, deadline: float) -> None:
             cub, err_c = try_time(lambda: torch._scaled_mm(xq, b_col, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
             cub_eager, _ = try_time(lambda: torch._scaled_mm(xq, b_col, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), graph=False)
             bf, _ = try_time(lambda: x @ w_bf16.t())
+            tile = None
+            if m >= G.gemm_gluon.MIN_ROWS:
+                tile, _ = try_time(lambda: G.fp8_gemm(xq, xs, w, cfg=G.pick_config(m, n, k, 1, 0, DEV)))
             best = ""
             if sweep and time.time() < deadline:
                 tried = []
@@ -181,11 +186,13 @@ def bench_fp8(sweep: bool, deadline: float) -> None:
                       + "; ".join(f"{cfg_name(c)} {tflops(m, n, k, t) if t else float('nan'):.0f}" for t, c, _ in tried) + " |")
             f = lambda ms: tflops(m, n, k, ms) if ms else float("nan")  # noqa: E731
             row = {"m": m, "n": n, "k": k, "ours": f(ours), "ours_e2e": f(e2e), "cublas_fp8": f(cub), "bf16": f(bf),
-                   "ours_eager": f(ours_eager), "cublas_eager": f(cub_eager), "cublas_error": err_c, "best_sweep": best}
+                   "ours_eager": f(ours_eager), "cublas_eager": f(cub_eager), "cublas_error": err_c, "best_sweep": best,
+                   "tile_kernel": f(tile) if tile else None}
             RESULTS["fp8"].append(row)
             print(f"| {m} | {n} x {k} | {row['ours']:.0f} | {row['ours_e2e']:.0f} | {row['cublas_fp8']:.0f} | {row['bf16']:.0f} "
                   f"| {row['ours'] / row['cublas_fp8']:.2f} | {row['ours'] / row['bf16']:.2f} "
-                  f"| {row['ours_eager']:.0f} / {row['cublas_eager']:.0f} | {best} |", flush=True)
+                  f"| {row['ours_eager']:.0f} / {row['cublas_eager']:.0f} | {f'{f(tile):.0f}' if tile else '-'} | {best} |",
+                  flush=True)
         del w, w_bf16, b_col
 
 
@@ -242,7 +249,9 @@ def bench_grouped(deadline: float) -> None:
                     G.TileConfig(64, 128, 128, 4, 3, tma=True)):
             t, err = try_time(lambda: G.grouped_linear(xq, w, sizes, x_scale=xs, cfg=cfg, validate=False))
             alts.append(f"{cfg_name(cfg)}: {tflops(m, n, k, t) if t else float('nan'):.0f}{' (' + err + ')' if err else ''}")
-        print(f"|   {name}: tile alternatives (GEMM only, TFLOPS): {'; '.join(alts)} | | | | | |")
+        probe = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        which = "Gluon" if G.gemm_gluon.fp8_ws_usable(xq, xs, w.data, w.scale, probe, m, groups) else "tile"
+        print(f"|   {name}: ours is the {which} kernel; tile alternatives (GEMM only, TFLOPS): {'; '.join(alts)} | | | | | |")
         e2e, _ = try_time(lambda: G.grouped_linear(x, w, sizes, validate=False))
         f = lambda ms: tflops(m, n, k, ms) if ms else float("nan")  # noqa: E731
         sb = torch.rand(groups, 1, n, device=DEV) + 0.5
@@ -316,15 +325,17 @@ def bench_dense_and_nvfp4(deadline: float) -> None:
 
 
 def main() -> None:
+    global SMOKE, DEV, SHAPES, MS, GROUPED_NK
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sections", default="fp8,grouped,precision,dense")
+    ap.add_argument("--ms", type=int, nargs="+", default=MS, help="FP8 section's row counts")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    MS = args.ms
     if args.smoke:
-        global SMOKE, DEV, SHAPES, MS, GROUPED_NK
         SMOKE, DEV, SHAPES, MS, GROUPED_NK = True, torch.device("cpu"), [(256, 256), (2112, 128)], [16, 64], (256, 128)
     start = time.time()
     deadline = start + args.budget

@@ -30,7 +30,7 @@ from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
 
-from deepinfer.backends.cuda_sm100 import gemm_kernels as K
+from deepinfer.backends.cuda_sm100 import gemm_gluon, gemm_kernels as K
 from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
 BLOCK = quant.FP8_BLOCK
@@ -226,6 +226,11 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     b_kind = _b_kind(weight)
     k = weight.in_features
     a_fp8 = a.dtype == quant.FP8_DTYPE
+    # Large M (one matrix, or groups of many rows) on Hopper: the warp-specialised Gluon kernel.
+    if (layout in (0, 1) and b_kind == 1 and not fused and cfg is None and not invariant and out_scale is None
+            and gemm_gluon.fp8_ws_usable(a, a_scale, weight.data, weight.scale, out, m, groups if layout else 0)):
+        gemm_gluon.launch_fp8_ws(a, a_scale, weight.data, weight.scale, out, group_sizes=sizes if layout else None)
+        return out
     w = weight.data if weight.data.dim() == 3 else weight.data.unsqueeze(0)
     sc = weight.scale
     if sc is not None and sc.dim() == w.dim() - 1:

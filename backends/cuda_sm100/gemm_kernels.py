@@ -129,6 +129,17 @@ def _tile_rows(pid_m, sizes_ptr, M, G, cap, LAYOUT: tl.constexpr, BM: tl.constex
         return g, row0, g * cap + count
 
 
+@triton.jit(do_not_specialize=["M", "G", "T"])
+def group_tile_map_kernel(sizes_ptr, map_ptr, M, G, T, BM: tl.constexpr, G_P: tl.constexpr):
+    """map [T, 3] int32: (group, first row, end row) of each of T virtual BM-row tiles of the contiguous layout
+    (as _tile_rows maps them), for kernels that read it instead of computing it (gemm_gluon_kernels)."""
+    t = tl.program_id(0)
+    g, row0, end = _tile_rows(t, sizes_ptr, M, G, 0, 1, BM, G_P)
+    tl.store(map_ptr + 3 * t, g)
+    tl.store(map_ptr + 3 * t + 1, row0)
+    tl.store(map_ptr + 3 * t + 2, end)
+
+
 @triton.jit
 def _prefetch_rows_l2(b_ptr, rows, N, k0, K, stride_bn, LINES: tl.constexpr):
     """prefetch.global.L2 of LINES 128-byte lines of each row (< N) from column k0 on (unit column stride)."""

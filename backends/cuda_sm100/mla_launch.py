@@ -150,20 +150,16 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
 
 @functools.cache
 def _gluon_runs_on(device: torch.device) -> bool:
-    """Hopper (wgmma, not SM100's tcgen05), the Triton the kernel was written for, and its shared memory."""
-    if torch.cuda.get_device_capability(device)[0] != 9 or _gluon_kernels() is None:
+    """Hopper, the Triton the kernel was written for (gluon_gate), and the kernel's shared memory."""
+    from deepinfer.backends.cuda_sm100 import gluon_gate
+
+    if not gluon_gate.gluon_release():
         return False
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= _gluon_kernels().SMEM_BYTES
+    return gluon_gate.hopper_gluon(device, _gluon_kernels().SMEM_BYTES)
 
 
 @functools.cache
 def _gluon_kernels():
-    """The Gluon kernel module, or None: Gluon is experimental and its API moves between Triton releases, so
-    only the release the kernel was written and tested against (3.6) runs it."""
-    import triton
-
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) != (3, 6):
-        return None
     from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
 
     return mla_gluon_kernels

@@ -294,3 +294,25 @@ def test_moe_decode_path_under_cuda_graph(cuda_backend, gen, gemm):
     valid = st_a.pair_of_row.reshape(e, cap) >= 0
     assert torch.equal(st_c.pair_of_row, st_a.pair_of_row)
     assert torch.equal(captured[valid], again[valid])
+
+
+def test_group_tile_map_covers_every_row_once(cuda_backend, gen):
+    """group_tile_map_kernel (the Gluon GEMM's tile map): each group's rows cut into BM-row tiles in order,
+    entries past the last tile empty."""
+    from deepinfer.backends.cuda_sm100 import gemm_kernels
+
+    dev = cuda_backend.device
+    groups, bm = 12, 128
+    sizes = torch.randint(0, 300, (groups,), generator=gen)
+    sizes[3] = 0
+    m = int(sizes.sum())
+    t = -(-m // bm) + groups
+    tmap = torch.full((t, 3), -7, dtype=torch.int32, device=dev)
+    gemm_kernels.group_tile_map_kernel[(t,)](sizes.to(dev), tmap, m, groups, t, BM=bm, G_P=16)
+    want, start = [], 0
+    for g, size in enumerate(sizes.tolist()):
+        want += [(g, r, start + size) for r in range(start, start + size, bm)]
+        start += size
+    got = [tuple(e) for e in tmap.cpu().tolist()]
+    assert got[:len(want)] == want
+    assert all(end <= row0 for _, row0, end in got[len(want):])

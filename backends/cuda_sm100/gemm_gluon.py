@@ -1,0 +1,128 @@
+"""When and how an FP8 GEMM runs on gemm_gluon_kernels' warp-specialised kernel (Hopper, large M): one matrix,
+or the contiguous grouped layout (MoE prefill) with enough rows per group.
+
+gemm._launch asks `fp8_ws_usable`; everything else (small M or small groups, the masked layout, fused epilogues,
+bf16 and NVFP4 weights, batch-invariant mode) stays on gemm_kernels' tile kernel. DEEPINFER_GEMM_GLUON=0 forces
+the tile kernel (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from deepinfer import quant
+from deepinfer.backends.cuda_sm100 import gluon_gate
+
+# From this many rows on (H200, benchmarks/RESULTS.md issue 9, eleventh session): at M = 1024 the kernel beat the
+# tile kernel on 4 of 6 DeepSeek-V3 shapes (by up to 1.34x) and lost 1-9% on the other two; at M = 256 it lost
+# on 5 of 6 (too few 128-row tiles to fill 132 SMs).
+MIN_ROWS = 1024
+# Grouped: rows per group (on average) from which it runs. H200: 8 groups x 512 rows (N 4096, K 7168) 1068
+# TFLOPS vs the tile kernel's 890; 256 experts top-8 at 4096 tokens (128 rows a group) 632 vs 638 (padding at
+# each group's end), so small groups stay on the tile kernel.
+MIN_GROUP_ROWS = 256
+
+
+@functools.cache
+def _kernels():
+    from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels
+
+    return gemm_gluon_kernels
+
+
+@functools.cache
+def _runs_on(device: torch.device) -> bool:
+    if not gluon_gate.gluon_release():
+        return False
+    return gluon_gate.hopper_gluon(device, _kernels().SMEM_BYTES)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """TMA: 16-byte aligned base and row stride, unit column stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def fp8_ws_usable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
+                  out: torch.Tensor, m: int, groups: int = 0) -> bool:
+    """a [M, K] e4m3 with scales, w [N, K] (or [G, N, K] with groups = G, rows sorted by group) e4m3 with 128x128
+    block scales, out [M, N] bf16/fp16; M large (and M / G large)."""
+    if os.environ.get("DEEPINFER_GEMM_GLUON", "1") == "0" or a.device.type != "cuda" or m < MIN_ROWS:
+        return False
+    if a.dtype != quant.FP8_DTYPE or w.dtype != quant.FP8_DTYPE or a_scale is None or w_scale is None:
+        return False
+    if w.dim() != (3 if groups else 2) or out.dtype not in (torch.bfloat16, torch.float16) or out.dim() != 2:
+        return False
+    if groups and (m < MIN_GROUP_ROWS * groups or not w.is_contiguous()):
+        return False
+    return all(_aligned(t) for t in (a, w, out)) and _runs_on(a.device)
+
+
+def choose_consumers(m: int, n: int, k: int, sms: int) -> int:
+    """Consumer warpgroups a CTA (tile height 64 x that): the larger last-wave fill, weighted by speed.
+
+    Three (192-row tiles, one K block a wait) and two (128-row tiles, two K blocks a wait: their registers
+    hold two partials) ran at the same steady rate on long K; below K = 4096 three were 7-15% faster (fewer,
+    taller tiles amortise each tile's start and epilogue). H200, M in (1024, 4096), ANCHORS.md's shapes: this
+    rule picked the faster of the two on all 12.
+    """
+    def fill(rows: int) -> float:
+        tiles = -(-m // rows) * -(-n // 128)
+        return tiles / (-(-tiles // sms) * sms)
+
+    return 3 if fill(192) * (1.1 if k < 4096 else 1.0) > fill(128) else 2
+
+
+@functools.cache
+def _launch_constants(device: torch.device, out_dtype: torch.dtype):
+    """(SM count, A / B / C shared layouts): built once, not per launch (host time: eager prefill launches many)."""
+    from triton.experimental.gluon import language as gl
+
+    G = _kernels()
+    half, bn, bk = G.HALF.value, G.BN.value, G.BK.value
+    out_gl = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float16
+    return (torch.cuda.get_device_properties(device).multi_processor_count,
+            gl.NVMMASharedLayout.get_default_for([half, bk], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([half, bn], out_gl))
+
+
+def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  out: torch.Tensor, group_sizes: torch.Tensor | None = None, consumers: int | None = None) -> None:
+    """out = (a x a_scale) @ (w x w_scale)^T on the persistent warp-specialised kernel (one CTA per SM).
+
+    With group_sizes (on the device: no host sync, graph-capturable), w is [G, N, K] and a's rows are sorted by
+    group; a tile map kernel first gives each row tile its group and rows.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from deepinfer.backends.cuda_sm100 import gemm_kernels
+
+    G = _kernels()
+    bn, bk, half = G.BN.value, G.BK.value, G.HALF.value
+    m, k = a.shape
+    n = w.shape[-2]
+    sms, al, bl, cl = _launch_constants(a.device, out.dtype)
+    # Grouped: 128-row tiles waste less at each group's end than 192-row ones.
+    consumers = consumers or (2 if group_sizes is not None else choose_consumers(m, n, k, sms))
+    stages, regs, maxnreg, _ = G.CONFIGS[consumers]
+    bm = consumers * half
+    if group_sizes is None:
+        m_tiles, tmap, bsg = -(-m // bm), out, 0  # (tmap: any pointer, unread)
+    else:
+        groups = w.shape[0]
+        m_tiles = -(-m // bm) + min(groups, m)  # an upper bound on the tiles the groups cut the rows into
+        tmap = torch.empty(m_tiles, 3, dtype=torch.int32, device=a.device)
+        gemm_kernels.group_tile_map_kernel[(m_tiles,)](group_sizes, tmap, m, groups, m_tiles, BM=bm,
+                                                       G_P=max(16, 1 << (groups - 1).bit_length()))
+        bsg = w_scale.stride(0)
+    w2 = w.reshape(-1, k)
+    G.fp8_gemm_ws_kernel[(min(m_tiles * -(-n // bn), sms),)](
+        TensorDescriptor(a, a.shape, a.stride(), [half, bk], al), TensorDescriptor(w2, w2.shape, w2.stride(), [bn, bk], bl),
+        TensorDescriptor(out, out.shape, out.stride(), [half, bn], cl), out, out.stride(0), a_scale, a_scale.stride(0),
+        a_scale.stride(1), w_scale, bsg, w_scale.stride(-2), w_scale.stride(-1), tmap, m, n, k, m_tiles,
+        GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs,
+        LAYOUT=0 if group_sizes is None else 1, num_warps=G.NUM_WARPS, maxnreg=maxnreg,
+    )
