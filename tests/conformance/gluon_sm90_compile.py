@@ -1,0 +1,91 @@
+"""Compile the Gluon kernels for sm_90 (Triton ships ptxas, so no GPU is needed) and print, as JSON, what the
+tests check: shared memory and the PTX instructions that must be there.
+
+Run as a script in its own process (test_gluon_compile.py does): Gluon compiles only with the Triton interpreter
+off, and the test session runs with it on, which turns every jit helper into an interpreted function.
+
+    TRITON_INTERPRET=0 python tests/conformance/gluon_sm90_compile.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import triton
+
+
+def _compile(kernel, args: dict, consts: dict, num_warps: int, **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature, attrs = {}, {}
+    do_not_specialize = set(getattr(kernel, "do_not_specialize", ()) or ())
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, str) and value.startswith("tensordesc"):
+            signature[name] = value
+        elif isinstance(value, str):  # pointers: 16-byte aligned, as torch allocates
+            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:  # integers specialised as the JIT does: divisible by 16 or not (unless it must not specialise)
+            signature[name] = "i32"
+            if value % 16 == 0 and name not in do_not_specialize and i not in do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **options))
+
+
+def mla(fp8: bool):
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels as G
+
+    if fp8:  # DeepSeek's 656-byte rows through the fp8 / fp32 / bf16 views, strides in elements
+        views = dict(lat_ptr="*fp8e4nv", scl_ptr="*fp32", rope_ptr="*bf16", lat_sb=64 * 656, lat_st=656,
+                     scl_sb=64 * 164, scl_st=164, rope_sb=64 * 328, rope_st=328, scale_off=128, rope_off=264)
+    else:
+        views = dict(lat_ptr="*bf16", scl_ptr="*bf16", rope_ptr="*bf16", lat_sb=64 * 576, lat_st=576,
+                     scl_sb=64 * 576, scl_st=576, rope_sb=64 * 576, rope_st=576, scale_off=0, rope_off=512)
+    args = dict(q_ptr="*bf16", qpe_ptr="*bf16", q_st=128 * 512, q_sh=512, qpe_st=128 * 64, qpe_sh=64, BS=64,
+                bt_ptr="*i32", bt_stride=64, meta_ptr="*i32", meta_stride=128, items_ptr="*i32", out_ptr="*bf16",
+                lse_ptr="*fp32", o_st=128 * 512, o_sh=512, po_ptr="*fp32", plse_ptr="*fp32", H=128, qk_scale=0.1,
+                row_tiles=2, **views)
+    consts = dict(R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=fp8, PDL=True)
+    return _compile(G.mla_attn_gluon_kernel, args, consts, G.NUM_WARPS)
+
+
+def gemm(consumers: int, out_dtype: str, layout: int):
+    from triton.experimental.gluon import language as gl
+
+    from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels as G
+
+    half, bn, bk = G.HALF.value, G.BN.value, G.BK.value
+    al = gl.NVMMASharedLayout.get_default_for([half, bk], gl.float8e4nv)
+    bl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+    cl = gl.NVMMASharedLayout.get_default_for([half, bn], {"bf16": gl.bfloat16, "fp16": gl.float16}[out_dtype])
+    args = dict(a_desc=f"tensordesc<fp8e4nv[{half}, {bk}],{al!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}],{bl!r}>",
+                c_desc=f"tensordesc<{out_dtype}[{half}, {bn}],{cl!r}>", c_ptr=f"*{out_dtype}", stride_cm=7168,
+                as_ptr="*fp32", stride_asm=1, stride_ask=4096, bs_ptr="*fp32", stride_bsg=56 * 56, stride_bsn=56,
+                stride_bsk=1, tmap_ptr="*i32", M=4096, N=7168, K=7168, m_tiles=32)
+    stages, regs, maxnreg, _ = G.CONFIGS[consumers]
+    consts = dict(GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs, LAYOUT=layout)
+    return _compile(G.fp8_gemm_ws_kernel, args, consts, G.NUM_WARPS, maxnreg=maxnreg)
+
+
+def report(compiled) -> dict:
+    return {"shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"]}
+
+
+def main() -> None:
+    out = {f"mla-{fp8}": report(mla(fp8)) for fp8 in (False, True)}
+    for consumers in (2, 3):
+        for out_dtype in ("bf16", "fp16"):
+            for layout in (0, 1):
+                out[f"gemm-{consumers}-{out_dtype}-{layout}"] = report(gemm(consumers, out_dtype, layout))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
