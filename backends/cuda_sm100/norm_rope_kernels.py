@@ -54,8 +54,13 @@ def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr,
         tl.store(s_ptr + rows64[:, None] * stride_sr + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    # mean as sum / D with a correctly rounded division (Triton's `/` is approximate on the GPU)
-    ms = tl.math.div_rn(tl.sum(x * x, axis=1), DF)
+    # The sum of squares in float64 (each square exact), rounded to float32 once at the end. The order of the
+    # reduction follows the layout Triton picks for the whole kernel, which differs between the plain and the
+    # quantising variant (sm_90 compile at D = 512: 4 vs 16 elements a thread), and their norms must agree bit
+    # for bit. In float32 the two orders differed in the last bit now and then (an H200 test run caught it);
+    # in float64 they differ by ~2^-43 relatively, which survives the rounding to float32 for ~1 row in 10^6.
+    x64 = x.to(tl.float64)
+    ms = (tl.sum(x64 * x64, axis=1) / DF).to(tl.float32)
     r = tl.math.rsqrt(ms + eps)
     y = _cast((x * r[:, None]) * w[None, :], o_ptr.dtype.element_ty, EXACT)  # normalise, then scale: the reference's order
     if STORE:
