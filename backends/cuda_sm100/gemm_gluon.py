@@ -17,7 +17,7 @@ from deepinfer import quant
 from deepinfer.backends.cuda_sm100 import gluon_gate
 
 # From this many rows on (H200, benchmarks/RESULTS.md issue 9, eleventh session): at M = 1024 the kernel beat the
-# tile kernel on 4 of 6 DeepSeek-V3 shapes (by up to 1.34x) and lost 1-9% on the other two; at M = 256 it lost
+# tile kernel on 4 of 6 DeepSeek-V3 shapes (by up to 1.35x) and lost 7-10% on the other two; at M = 256 it lost
 # on 5 of 6 (too few 128-row tiles to fill 132 SMs).
 MIN_ROWS = 1024
 # Grouped: rows per group (on average) from which it runs. H200: 8 groups x 512 rows (N 4096, K 7168) 1068

@@ -9,8 +9,9 @@ row-wise FP8 at M=4096, benchmarks/RESULTS.md, issue 9). Here, as in DeepGEMM, o
   into rings of STAGES buffers, signalled by mbarriers (ready: bytes landed; empty: every consumer is done);
 - two or three consumer warpgroups, each owning 64 of the tile's rows: wgmma K blocks into partial
   accumulators, release the buffers, promote. They run unsynchronised, so one's promotion overlaps the others'
-  MMAs. Registers decide the shape: two consumers (232 registers each) hold two partials and wait once per
-  two K blocks; three (160 each) hold one and wait once per block;
+  MMAs. Registers decide the shape: two consumers (240 registers each) hold two partials and wait once per
+  two K blocks; three (160 each) hold one and wait once per block. A consumer with none of a tile's rows
+  (a group's or the matrix's last tile) skips its MMAs;
 - the producer running ahead across tile boundaries, so a tile's pipeline fill hides behind the last tile.
 
 Layouts: 0, one matrix (TMA-stored output); 1, contiguous groups (rows sorted by expert, as gemm_kernel's
