@@ -103,3 +103,34 @@ def test_gluon_grouped_fp8_gemm_matches_float64_and_tile_kernel(dev, gen, groups
     if rows >= max(gemm_gluon.MIN_ROWS, gemm_gluon.MIN_GROUP_ROWS * groups):  # what grouped_linear serves here
         assert gemm_gluon.fp8_ws_usable(xq, xs, w.data, w.scale, out, rows, groups)
         assert _rel_err(gemm.grouped_linear(xq, w, sizes.to(dev), x_scale=xs), out) < 2.0**-7
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gluon_fp8_gemm_replays_in_a_cuda_graph(dev, gen, grouped):
+    """Captured once (descriptors encoded at capture, the tile map in the graph's pool), replayed on new inputs
+    and group sizes written in place: the eager result each time (speculative verification steps reach M >= 1024
+    inside decode graphs)."""
+    from deepinfer.backends.cuda_sm100 import gemm, gemm_gluon
+
+    groups, rows, k, n = 4, 2048, 512, 384
+    shape = (groups, n, k) if grouped else (n, k)
+    w = LinearWeight.quantize(torch.randn(*shape, generator=gen) / k**0.5, "fp8_block").to(dev)
+    xq, xs = gemm.quantize_fp8(torch.randn(rows, k, generator=gen).to(dev), column_major_scales=True)
+    sizes = _sizes(gen, groups, rows).to(dev) if grouped else None
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+    run = lambda: gemm_gluon.launch_fp8_ws(xq, xs, w.data, w.scale, out, group_sizes=sizes)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        q2, s2 = gemm.quantize_fp8(torch.randn(rows, k, generator=gen).to(dev), column_major_scales=True)
+        xq.copy_(q2)
+        xs.copy_(s2)
+        if grouped:
+            sizes.copy_(_sizes(gen, groups, rows).to(dev))
+        graph.replay()
+        replayed = out.clone()
+        run()
+        assert torch.equal(replayed, out)
