@@ -22,13 +22,17 @@ import subprocess
 import tempfile
 
 
-def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stages: int = 2, arch: int = 90):
+def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stages: int = 2, arch: int = 90,
+                 **options):
+    """Compile for sm_<arch>. Integers get the JIT's divisibility-by-16 hint unless the kernel says
+    do_not_specialize; a "tensordesc<...>" string stands for a TMA descriptor argument (Gluon's, layout included);
+    options go to the compiler as the launch's would (e.g. maxnreg)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(kernel, "fn", kernel)
     consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+    keep = set(getattr(kernel, "do_not_specialize", None) or ())
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
@@ -37,21 +41,22 @@ def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stage
         if name not in args:
             raise KeyError(f"no example value for argument {name!r}")
         value = args[name]
-        if isinstance(value, str):  # a pointer, 16-byte aligned as torch allocations are
+        if isinstance(value, str) and value.startswith("tensordesc"):
+            signature[name] = value
+        elif isinstance(value, str):  # a pointer, 16-byte aligned as torch allocations are
             signature[name] = value
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and i not in keep and name not in keep:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    del fn
-    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels (mla_gluon_kernels) take their own source
+    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels take their own source
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 def resource_usage(compiled) -> dict:

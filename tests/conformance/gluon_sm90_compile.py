@@ -10,33 +10,15 @@ off, and the test session runs with it on, which turns every jit helper into an 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-import triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from triton_sm90_report import compile_sm90  # noqa: E402
 
 
 def _compile(kernel, args: dict, consts: dict, num_warps: int, **options):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    signature, attrs = {}, {}
-    do_not_specialize = set(getattr(kernel, "do_not_specialize", ()) or ())
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        value = args[name]
-        if isinstance(value, str) and value.startswith("tensordesc"):
-            signature[name] = value
-        elif isinstance(value, str):  # pointers: 16-byte aligned, as torch allocates
-            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:  # integers specialised as the JIT does: divisible by 16 or not (unless it must not specialise)
-            signature[name] = "i32"
-            if value % 16 == 0 and name not in do_not_specialize and i not in do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **options))
+    return compile_sm90(kernel, args, consts, num_warps, **options)
 
 
 def mla(fp8: bool):
