@@ -17,10 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from triton_sm90_report import compile_sm90  # noqa: E402
 
 
-def _compile(kernel, args: dict, consts: dict, num_warps: int, **options):
-    return compile_sm90(kernel, args, consts, num_warps, **options)
-
-
 def mla(fp8: bool):
     from deepinfer.backends.cuda_sm100 import mla_gluon_kernels as G
 
@@ -35,7 +31,7 @@ def mla(fp8: bool):
                 lse_ptr="*fp32", o_st=128 * 512, o_sh=512, po_ptr="*fp32", plse_ptr="*fp32", H=128, qk_scale=0.1,
                 row_tiles=2, **views)
     consts = dict(R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=fp8, PDL=True)
-    return _compile(G.mla_attn_gluon_kernel, args, consts, G.NUM_WARPS)
+    return compile_sm90(G.mla_attn_gluon_kernel, args, consts, G.NUM_WARPS)
 
 
 def gemm(consumers: int, out_dtype: str, layout: int):
@@ -53,7 +49,7 @@ def gemm(consumers: int, out_dtype: str, layout: int):
                 stride_bsk=1, tmap_ptr="*i32", M=4096, N=7168, K=7168, m_tiles=32)
     stages, regs, maxnreg, _ = G.CONFIGS[consumers]
     consts = dict(GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs, LAYOUT=layout)
-    return _compile(G.fp8_gemm_ws_kernel, args, consts, G.NUM_WARPS, maxnreg=maxnreg)
+    return compile_sm90(G.fp8_gemm_ws_kernel, args, consts, G.NUM_WARPS, maxnreg=maxnreg)
 
 
 def report(compiled) -> dict:
