@@ -329,7 +329,6 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     if not _usable(plan, cache):
         return ref.write_cache(plan, cache, c_kv, k_pe)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
-    from deepinfer.backends.cuda_sm100 import mla_launch as L
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()

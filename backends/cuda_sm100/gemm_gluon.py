@@ -26,20 +26,6 @@ MIN_ROWS = 1024
 MIN_GROUP_ROWS = 256
 
 
-@functools.cache
-def _kernels():
-    from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels
-
-    return gemm_gluon_kernels
-
-
-@functools.cache
-def _runs_on(device: torch.device) -> bool:
-    if not gluon_gate.gluon_release():
-        return False
-    return gluon_gate.hopper_gluon(device, _kernels().SMEM_BYTES)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     """TMA: 16-byte aligned base and row stride, unit column stride."""
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
@@ -49,7 +35,7 @@ def fp8_ws_usable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
                   out: torch.Tensor, m: int, groups: int = 0) -> bool:
     """a [M, K] e4m3 with scales, w [N, K] (or [G, N, K] with groups = G, rows sorted by group) e4m3 with 128x128
     block scales, out [M, N] bf16/fp16; M large (and M / G large)."""
-    if os.environ.get("DEEPINFER_GEMM_GLUON", "1") == "0" or a.device.type != "cuda" or m < MIN_ROWS:
+    if m < MIN_ROWS or a.device.type != "cuda" or os.environ.get("DEEPINFER_GEMM_GLUON", "1") == "0":
         return False
     if a.dtype != quant.FP8_DTYPE or w.dtype != quant.FP8_DTYPE or a_scale is None or w_scale is None:
         return False
@@ -57,7 +43,7 @@ def fp8_ws_usable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
         return False
     if groups and (m < MIN_GROUP_ROWS * groups or not w.is_contiguous()):
         return False
-    return all(_aligned(t) for t in (a, w, out)) and _runs_on(a.device)
+    return all(_aligned(t) for t in (a, w, out)) and gluon_gate.runs_on(a.device, "gemm_gluon_kernels")
 
 
 def choose_consumers(m: int, n: int, k: int, sms: int) -> int:
@@ -80,7 +66,7 @@ def _launch_constants(device: torch.device, out_dtype: torch.dtype):
     """(SM count, A / B / C shared layouts): built once, not per launch (host time: eager prefill launches many)."""
     from triton.experimental.gluon import language as gl
 
-    G = _kernels()
+    G = gluon_gate.kernels("gemm_gluon_kernels")
     half, bn, bk = G.HALF.value, G.BN.value, G.BK.value
     out_gl = gl.bfloat16 if out_dtype == torch.bfloat16 else gl.float16
     return (torch.cuda.get_device_properties(device).multi_processor_count,
@@ -99,8 +85,9 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from deepinfer.backends.cuda_sm100 import gemm_kernels
+    from deepinfer.backends.cuda_sm100.gemm import next_pow2
 
-    G = _kernels()
+    G = gluon_gate.kernels("gemm_gluon_kernels")
     bn, bk, half = G.BN.value, G.BK.value, G.HALF.value
     m, k = a.shape
     n = w.shape[-2]
@@ -116,7 +103,7 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
         m_tiles = -(-m // bm) + min(groups, m)  # an upper bound on the tiles the groups cut the rows into
         tmap = torch.empty(m_tiles, 3, dtype=torch.int32, device=a.device)
         gemm_kernels.group_tile_map_kernel[(m_tiles,)](group_sizes, tmap, m, groups, m_tiles, BM=bm,
-                                                       G_P=max(16, 1 << (groups - 1).bit_length()))
+                                                       G_P=next_pow2(groups))
         bsg = w_scale.stride(0)
     w2 = w.reshape(-1, k)
     G.fp8_gemm_ws_kernel[(min(m_tiles * -(-n // bn), sms),)](

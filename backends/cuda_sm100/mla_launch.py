@@ -5,12 +5,12 @@ plain Python (the tables are tested on CPU), kernels imported at launch.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from deepinfer.attention import KVCacheSpec
+from deepinfer.backends.cuda_sm100 import gluon_gate
 from deepinfer.errors import InvalidInputError
 from deepinfer.quant import cdiv
 
@@ -145,24 +145,7 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
         return False
     if spec.dtype not in ("bf16", "fp8_e4m3") or q_dtype != torch.bfloat16:
         return False
-    return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and _gluon_runs_on(device)
-
-
-@functools.cache
-def _gluon_runs_on(device: torch.device) -> bool:
-    """Hopper, the Triton the kernel was written for (gluon_gate), and the kernel's shared memory."""
-    from deepinfer.backends.cuda_sm100 import gluon_gate
-
-    if not gluon_gate.gluon_release():
-        return False
-    return gluon_gate.hopper_gluon(device, _gluon_kernels().SMEM_BYTES)
-
-
-@functools.cache
-def _gluon_kernels():
-    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels
-
-    return mla_gluon_kernels
+    return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and gluon_gate.runs_on(device, "mla_gluon_kernels")
 
 
 def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> bool:
@@ -172,7 +155,7 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> boo
         return False
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
-    G = _gluon_kernels()
+    G = gluon_gate.kernels("mla_gluon_kernels")
     G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
         q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
         plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,

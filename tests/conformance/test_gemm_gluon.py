@@ -13,12 +13,12 @@ from deepinfer.weights import LinearWeight
 
 @pytest.fixture
 def dev():
-    from deepinfer.backends.cuda_sm100 import gemm_gluon, gluon_gate
+    from deepinfer.backends.cuda_sm100 import gluon_gate
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     device = torch.device("cuda")
-    if not gluon_gate.hopper_gluon(device, gemm_gluon._kernels().SMEM_BYTES if gluon_gate.gluon_release() else 0):
+    if not gluon_gate.runs_on(device, "gemm_gluon_kernels"):
         pytest.skip("the Gluon GEMM runs on Hopper with Triton 3.6")
     return device
 

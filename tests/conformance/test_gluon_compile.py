@@ -33,10 +33,10 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(compiled, fp8):
-    from deepinfer.backends.cuda_sm100 import mla_launch as A
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels as G
 
     case = compiled[f"mla-{fp8}"]
-    assert case["shared"] == A._gluon_kernels().SMEM_BYTES
+    assert case["shared"] == G.SMEM_BYTES
     assert case["ptx"].count("wgmma.mma_async") > 0 and "cp.async.cg.shared.global" in case["ptx"]
     assert "griddepcontrol.wait" in case["ptx"]  # PDL: nothing is read before the previous kernel is done
 
