@@ -24,9 +24,11 @@ import tempfile
 
 def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stages: int = 2, arch: int = 90,
                  **options):
-    """Compile for sm_<arch>. Integers get the JIT's divisibility-by-16 hint unless the kernel says
-    do_not_specialize; a "tensordesc<...>" string stands for a TMA descriptor argument (Gluon's, layout included);
-    options go to the compiler as the launch's would (e.g. maxnreg)."""
+    """Compile for sm_<arch>. Integers are specialised as the JIT does unless the kernel says do_not_specialize
+    (1 becomes a constexpr, multiples of 16 get the divisibility hint); a "tensordesc<...>" string stands for a
+    TMA descriptor argument (Gluon's, layout included); options go to the compiler as the launch's would (e.g.
+    maxnreg). Passing a stride of 1 as a plain integer would hide the unit stride that the real launch specialises
+    on, and with it the vectorised, pipelined loads."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,6 +50,9 @@ def compile_sm90(kernel, args: dict, consts: dict, num_warps: int = 4, num_stage
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif value == 1 and i not in keep and name not in keep:  # the JIT makes an integer 1 a constexpr
+            signature[name] = "constexpr"
+            consts = {**consts, name: 1}
         else:
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0 and i not in keep and name not in keep:

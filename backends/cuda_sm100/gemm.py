@@ -256,10 +256,11 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
         b_arg = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [cfg.bn, cfg.bk])
     split = split_divisor(cdiv(k, cfg.bk), cfg.split_k) if not fused and layout != 3 else 1
     # Under PDL a one-matrix GEMM asks for its weight rows in L2 before waiting for the kernel before it (which
-    # never writes them): at decode sizes their streaming then starts during that kernel's tail.
+    # never writes them): at decode sizes their streaming then starts during that kernel's tail. Only the
+    # blocks the pipeline's first stages load: prefetching a CTA's whole slice delays its first tile.
     prefetch = 0
     if launch_kwargs() and layout == 0 and not use_tma and not fused and b_kind != 2:
-        prefetch = min(64, next_pow2(cdiv(cdiv(k, split) * w.element_size(), 128)))
+        prefetch = next_pow2(cdiv(min(cdiv(k, split), cfg.stages * cfg.bk) * w.element_size(), 128))
     if layout == 0:
         m_tiles = cdiv(m, cfg.bm)
     elif layout == 1:
