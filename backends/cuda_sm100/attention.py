@@ -383,7 +383,9 @@ def _check_scale(softmax_scale) -> None:
         raise InvalidInputError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
 
 
-def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, batch_invariant=False):
+def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, batch_invariant=False,
+                  tile_choices: L.TileChoices | None = None):
+    """tile_choices: the caller's memory of which tile candidates fit this GPU (a fresh one by default)."""
     spec = ref._check_plan_and_cache(plan, cache)
     ref._check_tokens("q_nope", q_nope, 3, plan, cache)
     ref._check_tokens("q_pe", q_pe, 3, plan, cache)
@@ -433,7 +435,8 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
             continue
         L.launch_triton(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
-                     DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok)
+                     DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok,
+                tile_choices if tile_choices is not None else L.TileChoices())
     if plan.num_slots:
         # The interpreter pays per program, so there one program takes all heads and columns of a token.
         if interp:

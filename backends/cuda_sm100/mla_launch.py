@@ -56,7 +56,20 @@ for _fp8 in (False, True):  # float32 attention (IEEE MMAs run on the FMA units)
     _GPU_CONFIGS[("f32-big", 16, _fp8)] = [(16, 16, 4, 1), (16, 16, 4, 2)]  # rank 512: fewest spills
     _GPU_CONFIGS[("f32-small", 16, _fp8)] = [(16, 32, 4, 2), (16, 16, 4, 1)]
 _CONFIG_FIELDS = ("BM", "BN", "num_warps", "num_stages")
-_chosen: dict = {}
+
+
+class TileChoices:
+    """Where each shape's candidate list starts: launch_triton moves past candidates that run out of shared
+    memory or registers on this GPU and remembers the one that launched. A backend owns one."""
+
+    def __init__(self) -> None:
+        self._first: dict = {}
+
+    def first(self, shape_key) -> int:
+        return self._first.get(shape_key, 0)
+
+    def settle(self, shape_key, index: int) -> None:
+        self._first[shape_key] = index
 
 
 def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: bool, f32: bool = False,
@@ -87,9 +100,9 @@ def attn_config(rows: int, spec: KVCacheSpec, interp: bool, batch_invariant: boo
     return dict(zip(_CONFIG_FIELDS, _GPU_CONFIGS[key][0]), _key=key)
 
 
-def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok):
+def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok, choices: TileChoices):
     """mla_attn_kernel with cfg (attn_config's): its table's candidates in order, past any that ran out of
-    shared memory or registers on this GPU (remembered per shape)."""
+    shared memory or registers on this GPU (remembered per shape in `choices`)."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     key = cfg.pop("_key", None)
@@ -99,7 +112,7 @@ def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok):
         kernel[grid](*args, **consts, **cfg, ALIGNED=aligned(cfg["BN"]), **launch_kwargs())
         return
     shape_key = (key, tuple(sorted(consts.items())))
-    start = _chosen.get(shape_key, 0)
+    start = choices.first(shape_key)
     from triton.runtime.errors import OutOfResources
 
     for i, cand in enumerate(_GPU_CONFIGS[key][start:], start):
@@ -109,7 +122,7 @@ def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok):
         fold, cvt = (bool(cand[4]), cand[5]) if len(cand) > 4 else (fold_ok(c["BM"]), 0)
         try:
             kernel[grid](*args, **consts, **c, ALIGNED=aligned(c["BN"]), FOLD=fold, CVT=cvt, **launch_kwargs())
-            _chosen[shape_key] = i
+            choices.settle(shape_key, i)
             return
         except OutOfResources:
             continue

@@ -231,6 +231,42 @@ def test_every_gpu_launch_has_a_configuration(rank, kv_dtype, monkeypatch):
                         assert cfg["BM"] == 64
 
 
+def test_launch_moves_past_configurations_that_do_not_fit(monkeypatch):
+    """A candidate that runs out of resources on this GPU is skipped, the one that launched is remembered in the
+    caller's TileChoices (the next launch of the shape starts there), and a table with nothing that fits
+    raises a clear error instead of crashing the step."""
+    from triton.runtime.errors import OutOfResources
+
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    monkeypatch.delenv("DEEPINFER_MLA_CONFIG", raising=False)
+    spec = KVCacheSpec(4, 64, 512, 64, "bf16")
+    key = ("big", 32, False)
+    cands = A._GPU_CONFIGS[key]
+    too_big = {cands[0][:4]}
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                shape = (kw["BM"], kw["BN"], kw["num_warps"], kw["num_stages"])
+                if shape in too_big:
+                    raise OutOfResources(1 << 20, 232448, "shared memory")
+                launched.append(shape)
+            return run
+
+    choices = A.TileChoices()
+    for _ in range(2):
+        cfg = A.attn_config(32, spec, False, False)
+        assert cfg["_key"] == key
+        A.launch_triton(Kernel(), (1,), (), {"R": 512}, cfg, lambda bn: True, lambda bm: False, choices)
+    assert launched == [cands[1][:4]] * 2 and choices.first((key, (("R", 512),))) == 1
+    too_big.update(c[:4] for c in cands)
+    with pytest.raises(InvalidInputError, match="no MLA kernel configuration fits"):
+        A.launch_triton(Kernel(), (1,), (), {"R": 512}, A.attn_config(32, spec, False, False), lambda bn: True,
+                        lambda bm: False, A.TileChoices())
+
+
 def test_one_plan_serves_every_layer(kern, ref, gen):
     """The per-step plan (and its partial workspace) is reused by each layer's write + run."""
     query_lens, seq_lens = (1, 3, 1), (40, 70, 129)
