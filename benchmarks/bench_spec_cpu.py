@@ -152,19 +152,18 @@ def main() -> None:
             reset(llm)
             generate(llm, ps, batch, args.max_tokens, t, args.seed)
             s = spec_stats(llm)
-            rows.append({"config": name, "load": load, "drafts": s.num_drafts, "paused": s.num_paused_steps,
-                         "tau": s.mean_accepted_length,
+            rows.append({"config": name, "load": load, "drafts": s.num_drafts, "tau": s.mean_accepted_length,
                          "verified": s.mean_verified_length, "waste": s.verification_waste,
                          "cond_accept": s.conditional_acceptance(), "pos_accept": s.position_acceptance()})
     results["acceptance"] = rows
     print(f"\n## Acceptance on held-out code (prompts of {args.prompt_len} tokens, {args.max_tokens} generated each, "
           f"temperature {t}; load B: max({args.accept_prompts}, 2B) prompts, B at a time)\n")
     print("| drafter / scheduler | load (batch) | mean accepted length | verified / round | verification waste | "
-          "conditional acceptance per position | acceptance per position (accepted / rounds) | paused steps |")
-    print("|---|---|---|---|---|---|---|---|")
+          "conditional acceptance per position | acceptance per position (accepted / rounds) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['load']} | {r['tau']:.3f} | {r['verified']:.2f} | {r['waste']:.1%} | "
-              f"{fmt_list(r['cond_accept'])} | {fmt_list(r['pos_accept'])} | {r['paused']} |")
+              f"{fmt_list(r['cond_accept'])} | {fmt_list(r['pos_accept'])} |")
     mtp5 = next(r for r in rows if r["config"] == "MTP chained k=5")["tau"]
     block = next(r for r in rows if r["config"] == "DSpark fixed block (5)")  # at the first high load, as MTP
     print(f"\nDSpark / chained MTP accepted length at block 5: {block['tau'] / mtp5:.3f}x (target >= 1.15x)")
@@ -205,13 +204,11 @@ def main() -> None:
                 tput[name][batch] = max(tput[name].get(batch, 0.0), tokens / secs)
                 s = spec_stats(llm)
                 if s is not None:
-                    tput_stats[name][batch] = (s.mean_accepted_length, s.mean_verified_length, s.verification_waste,
-                                               s.num_paused_steps)
+                    tput_stats[name][batch] = (s.mean_accepted_length, s.mean_verified_length, s.verification_waste)
     results["throughput"] = tput
     results["throughput_stats"] = tput_stats
     print(f"\n## Generated tokens/s on this CPU (best of {args.repeats}; ratio to non-speculative in the same run; "
-          "accepted length / verified per round / waste, of the last repeat; steps Algorithm 1 decoded without "
-          "drafting)\n")
+          "accepted length / verified per round / waste)\n")
     print("| configuration | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for name in engines:
@@ -220,8 +217,8 @@ def main() -> None:
             base = tput["non-speculative"][b]
             cell = f"{tput[name][b]:.0f} ({tput[name][b] / base:.2f}x)"
             if b in tput_stats[name]:
-                tau, ver, waste, paused = tput_stats[name][b]
-                cell += f"; {tau:.2f} / {ver:.2f} / {waste:.0%}" + (f", {paused} paused steps" if paused else "")
+                tau, ver, waste = tput_stats[name][b]
+                cell += f"; {tau:.2f} / {ver:.2f} / {waste:.0%}"
             cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
     acc = results["acceptance"]

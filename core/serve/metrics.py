@@ -61,8 +61,6 @@ class _EngineStatsCollector(Collector):
                 ("spec_decode_num_proposed_tokens", "Draft tokens the drafter proposed", spec.num_proposed_tokens),
                 ("spec_decode_num_draft_tokens", "Draft tokens the target verified", spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
-                ("spec_decode_num_paused_steps", "Steps decoded without drafting, where drafting did not pay",
-                 spec.num_paused_steps),
             ):
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
             per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",

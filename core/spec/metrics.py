@@ -20,7 +20,6 @@ class SpecDecodeStats:
     accepted_per_position: tuple[int, ...]  # drafts whose token k was accepted (k = 1..K)
     verified_per_position: tuple[int, ...]  # drafts whose token k was verified
     reached_per_position: tuple[int, ...]  # ... verified with tokens 1..k-1 accepted
-    num_paused_steps: int = 0  # steps that decoded without drafting (Speculator's pause: drafting did not pay)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -71,7 +70,6 @@ class SpecDecodeMetrics:
     verified: list[int] = field(default_factory=list)
     reached: list[int] = field(default_factory=list)
     traces: list[DraftTrace] = field(default_factory=list)
-    num_paused_steps: int = 0
 
     def __post_init__(self) -> None:
         self.reset()
@@ -79,7 +77,6 @@ class SpecDecodeMetrics:
     def reset(self) -> None:
         k = self.max_positions
         self.num_drafts = self.num_proposed_tokens = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_paused_steps = 0
         self.accepted, self.verified, self.reached = [0] * k, [0] * k, [0] * k
         self.traces = []
 
@@ -101,4 +98,4 @@ class SpecDecodeMetrics:
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_proposed_tokens, self.num_draft_tokens,
                                self.num_accepted_tokens, tuple(self.accepted), tuple(self.verified),
-                               tuple(self.reached), self.num_paused_steps)
+                               tuple(self.reached))

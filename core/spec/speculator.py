@@ -8,21 +8,11 @@ Built from EngineConfig by `build_speculator`:
                               Algorithm 1 over the SPS table profiled at start-up (one step-time curve per
                               sequence count, read at the step's count; cached on disk) or the curve given
                               in speculative_sps_table.
-
-Drafting costs a step time whatever Algorithm 1 then verifies, and Algorithm 1 can only cut verification. So
-under it the speculator also asks, after each step's cut, whether that step would have yielded more tokens
-per second without drafting at all: Algorithm 1's expected tokens (calibrated survivals) over the drafted
-step's time, against one token per sequence over a plain step's (both from the SPS table plus the overheads
-measured on past steps). Where plain decoding wins (high load, where the forward is compute-bound and the
-drafter's pass is not free), the next steps decode without drafts, 1, 2, 4, ... up to PAUSE_MAX_STEPS while
-each probe step still loses, so that the estimates are re-measured as the load changes.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +21,7 @@ import torch
 from deepinfer.errors import ConfigError
 from deepinfer.spec.drafter import Drafter, DraftRequest, Observation, Proposal
 from deepinfer.spec.metrics import SpecDecodeMetrics
-from deepinfer.spec.prefix_scheduler import PrefixScheduler, survival
+from deepinfer.spec.prefix_scheduler import PrefixScheduler
 from deepinfer.spec.sps_profile import (SPSCurve, SPSTable, cache_key, default_cache_dir, load_or_profile,
                                         profile_table, runner_step_timer, seq_grid, step_time)
 from deepinfer.spec.verifier import VerifyResult
@@ -39,8 +29,6 @@ from deepinfer.spec.verifier import VerifyResult
 logger = logging.getLogger(__name__)
 
 DSPARK_SUBFOLDER = "dspark"
-PAUSE_MAX_STEPS = 64  # the longest run of steps without drafts before one drafts again to re-measure
-MIN_TIMED_STEPS = 4  # drafted steps timed before the overheads are trusted to pause drafting
 
 
 @dataclass
@@ -53,34 +41,23 @@ class Draft:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, scheduler: PrefixScheduler, metrics: SpecDecodeMetrics | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        """clock: what the drafter's pass is timed with (tests pass a simulated one)."""
+    def __init__(self, drafter: Drafter, scheduler: PrefixScheduler, metrics: SpecDecodeMetrics | None = None):
         self.drafter = drafter
-        self.clock = clock
         self.scheduler = scheduler
         self.metrics = metrics or SpecDecodeMetrics(drafter.max_draft_tokens)
-        # Seconds per step outside the target forward (moving averages): of drafted steps, drafting included
-        # (Algorithm 1's overhead), and of any step leaving the drafter's pass out (the pause's), with the
-        # drafter's pass in the step proposed last.
-        self.step_overhead = self.other_overhead = self.draft_seconds = 0.0
-        self._steps_timed = self._other_timed = 0
+        self.step_overhead = 0.0  # seconds per step outside the target forward (moving average), for Algorithm 1
+        self._steps_timed = 0
         self._last_seqs: int | None = None  # sequences of the step proposed last
-        self._step_kind: str | None = None  # "drafted", "paused" or None (nothing to draft for)
-        self._pause_len = self._pause_left = 0
 
     def step_done(self, seconds: float, num_tokens: int) -> None:
         """A whole engine step took `seconds` for a forward of num_tokens: learn the time the SPS profile (the
         forward alone) leaves out."""
-        if self.scheduler.curve is None or self._step_kind is None:
+        if self.scheduler.curve is None:
             return
         rest = max(0.0, seconds - step_time(self.scheduler.curve, num_tokens, self._last_seqs))
-        if self._step_kind == "drafted":
-            self._steps_timed += 1
-            self.step_overhead = _average(self.step_overhead, rest, self._steps_timed)
-            rest = max(0.0, rest - self.draft_seconds)
-        self._other_timed += 1
-        self.other_overhead = _average(self.other_overhead, rest, self._other_timed)
+        self._steps_timed += 1
+        weight = max(0.05, 1.0 / self._steps_timed)  # a plain mean at first, then an exponential average
+        self.step_overhead += weight * (rest - self.step_overhead)
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -93,19 +70,9 @@ class Speculator:
     def propose(self, requests: list[DraftRequest], base_tokens: int, base_accepts: int) -> dict[str, Draft]:
         """Drafts for the sequences that got any, cut to their verification lengths. base_tokens / base_accepts:
         the step's tokens and sampled tokens before speculation (Algorithm 1's starting point)."""
-        self._step_kind = None
         if not requests:
             return {}
-        self._last_seqs = max(1, int(base_accepts))
-        if self._pause_left > 0:
-            self._pause_left -= 1
-            self._step_kind = "paused"
-            self.metrics.num_paused_steps += 1
-            return {}
-        self._step_kind = "drafted"
-        started = self.clock()
         proposals = self.drafter.propose(requests)
-        self.draft_seconds = self.clock() - started
         calib = getattr(self.drafter, "calibration", None)
         confidences: list[list[float] | None] = []
         for p in proposals:
@@ -115,32 +82,14 @@ class Speculator:
                 confidences.append(calib.calibrate_list(p.confidence))
             else:
                 confidences.append(list(p.confidence))
+        self._last_seqs = max(1, int(base_accepts))
         lengths = self.scheduler.lengths(confidences, [len(p.tokens) for p in proposals], base_tokens, base_accepts,
                                          self.step_overhead, num_seqs=self._last_seqs)
-        if self.scheduler.mode == "hardware" and self._other_timed >= MIN_TIMED_STEPS:
-            self._judge(confidences, lengths, base_tokens, base_accepts)
         drafts = {}
         for req, p, n in zip(requests, proposals, lengths):
             if p.tokens:
                 drafts[req.seq_id] = Draft(p.truncate(n), len(p.tokens), p.confidence)
         return drafts
-
-    def _judge(self, confidences: list[list[float] | None], lengths: list[int], base_tokens: int,
-               base_accepts: int) -> None:
-        """Pause drafting for the next steps if this one would have yielded more tokens per second without it
-        (see the module docstring); resume at the first probe step that drafting wins."""
-        if any(c is None for c, n in zip(confidences, lengths) if n):
-            return  # a draft without confidences: no expectation to weigh
-        tokens = base_tokens + sum(lengths)
-        expected = base_accepts + sum(sum(survival(c[:n])) for c, n in zip(confidences, lengths) if n)
-        curve, seqs, other = self.scheduler.curve, self._last_seqs, self.other_overhead
-        drafted_rate = expected / (step_time(curve, tokens, seqs) + other + self.draft_seconds)
-        plain_rate = base_accepts / (step_time(curve, base_tokens, seqs) + other)
-        if plain_rate > drafted_rate:
-            self._pause_len = min(PAUSE_MAX_STEPS, max(1, 2 * self._pause_len))
-            self._pause_left = self._pause_len
-        else:
-            self._pause_len = 0
 
     def record(self, draft: Draft, result: VerifyResult) -> None:
         self.metrics.record(draft.num_proposed, len(draft.proposal.tokens), result.num_accepted, draft.raw_confidence,
@@ -154,11 +103,6 @@ class Speculator:
 
     def release(self, seq_id: str) -> None:
         self.drafter.release(seq_id)
-
-
-def _average(mean: float, value: float, count: int) -> float:
-    """A plain mean over the first values, then an exponential average (weight 0.05)."""
-    return mean + max(0.05, 1.0 / count) * (value - mean)
 
 
 def _sps_curve(engine_config, runner, draft_len: int, backend_name: str) -> SPSCurve | SPSTable:
