@@ -8,8 +8,9 @@ Nothing is read or written before the wait, so stream order holds as without PDL
 and the CTAs' arrival. A kernel after a launch without PDL (cuBLAS, torch ops) simply starts when that one ends.
 
 A one-matrix GEMM also asks for the first K blocks of its weight rows (what its pipeline's first stages load) in L2
-before its wait (gemm_kernel's PREFETCH), so their streaming starts during the previous kernel. H200, V2-Lite batch 1 (benchmarks/RESULTS.md, eighth session): FP8 437.0 vs
-387.6 tok/s, bf16 388.1 vs 374.7; the engine's graph and greedy-equality tests pass under it (gpu_suite.sh pdl).
+before its wait (gemm_kernel's PREFETCH), so their streaming starts during the previous kernel. H200, V2-Lite
+batch 1 (benchmarks/RESULTS.md, eighth session): FP8 437.0 vs 387.6 tok/s, bf16 388.1 vs 374.7; the engine's
+graph and greedy-equality tests pass under it (gpu_suite.sh pdl).
 Never under the Triton interpreter, which has no griddepcontrol.
 """
 
