@@ -11,7 +11,8 @@ heldout_files.txt, read from this interpreter's standard library). Printed:
      on whole-block drafts decoded at temperature 1 from held-out prompts (the calibration was fitted on
      other files);
   3. generated tokens per second at each of --batches for every configuration, and the ratio to
-     non-speculative decoding measured in the same run (interleaved, best of --repeats).
+     non-speculative decoding measured in the same run (interleaved, best of --repeats). Batch B holds B
+     requests in flight over 3B prompts (a finished request is replaced at once, as under a server's load).
 
     python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 1]
 """
@@ -65,13 +66,23 @@ def params(n: int, max_tokens: int, temperature: float, seed: int):
 
 
 def generate(llm, prompts, batch: int, max_tokens: int, temperature: float, seed: int) -> tuple[int, float]:
-    """(generated tokens, seconds) with `batch` requests in flight (batch 1: one request at a time)."""
+    """(generated tokens, seconds) with `batch` requests in flight: each finished request is replaced at once by
+    the next prompt, as a server under constant load sees them (batch 1: one request at a time). Closed batches
+    (all requests start together) would end each batch with a few stragglers, which penalises speculation: its
+    requests finish at different steps."""
+    engine = llm.engine
+    sampling = params(len(prompts), max_tokens, temperature, seed)
+    waiting, running, tokens = list(range(len(prompts))), set(), 0
     start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        for out in llm.generate(chunk, params(len(chunk), max_tokens, temperature, seed + i)):
-            tokens += len(out.outputs[0].token_ids)
+    while waiting or running:
+        while waiting and len(running) < batch:
+            i = waiting.pop(0)
+            engine.add_request(f"bench-{seed}-{i}", prompts[i], sampling[i])
+            running.add(f"bench-{seed}-{i}")
+        for out in engine.step():
+            if out.finished:
+                running.discard(out.request_id)
+                tokens += len(out.outputs[0].token_ids)
     return tokens, time.perf_counter() - start
 
 
@@ -136,7 +147,7 @@ def main() -> None:
               + ", ".join(f"{b}: {1 / s:.0f}" for b, s in c.points))
 
     # 1. Acceptance at high load for every drafter; the fixed block and Algorithm 1 at every high load, and
-    # Algorithm 1 also at low load (batch 1). A load of B decodes max(--accept-prompts, 2B) prompts B at a time.
+    # Algorithm 1 also at low load (batch 1). A load of B decodes max(--accept-prompts, 2B) prompts, B in flight.
     prompts = heldout_prompts(model_dir, max([args.accept_prompts] + [2 * b for b in high_loads]), args.prompt_len,
                               args.seed)
     rows = []
@@ -193,7 +204,7 @@ def main() -> None:
     tput: dict = {name: {} for name in engines}
     tput_stats: dict = {name: {} for name in engines}
     for batch in batches:
-        n = args.batch1_prompts if batch == 1 else batch
+        n = args.batch1_prompts if batch == 1 else 3 * batch  # the load held through 3 generations of requests
         ps = heldout_prompts(model_dir, n, args.prompt_len, args.seed + 100 + batch)
         for llm in engines.values():  # warm-up
             generate(llm, ps[:1], 1, 4, t, args.seed)
