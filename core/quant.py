@@ -31,6 +31,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): block sizes for kernel launches."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     size = x.shape[dim]
     extra = cdiv(size, multiple) * multiple - size

@@ -50,10 +50,7 @@ def _tl_dtype(dtype: torch.dtype):
 # Host-side arithmetic in plain Python: triton.cdiv is a @jit function and slow to call from the host, and
 # these launchers run once per layer per step (launch overhead is what small-M calls are made of).
 cdiv = quant.cdiv
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+next_pow2 = quant.next_pow2
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ import torch
 from deepinfer.attention import KVCacheSpec
 from deepinfer.backends.cuda_sm100 import gluon_gate
 from deepinfer.errors import InvalidInputError
-from deepinfer.quant import cdiv
+from deepinfer.quant import cdiv, next_pow2
 
 
 def pow2(n: int) -> int:
     """The next power of two, at least 16 (Triton block sizes)."""
-    return max(16, 1 << (n - 1).bit_length())
+    return max(16, next_pow2(n))
 
 
 # --- the Triton kernel's tiles ------------------------------------------------------------------------------
