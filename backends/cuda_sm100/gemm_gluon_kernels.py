@@ -31,6 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from deepinfer.backends.cuda_sm100.gemm_kernels import grouped_tile
+
 BN = gl.constexpr(128)  # columns a tile: one weight scale block, so one B scale a K block
 BK = gl.constexpr(128)  # one quantisation group
 HALF = gl.constexpr(64)  # rows a consumer warpgroup owns (one wgmma M)
@@ -48,12 +50,7 @@ def _tile(tile, shape, GROUP_M: gl.constexpr, BM: gl.constexpr, LAYOUT: gl.const
     """Tile id -> (group, first row, end row, N tile). Grouped order: GROUP_M row tiles walk the N tiles
     together, so their B tiles stay in L2. A tile with end <= first has nothing to do (grouped layout)."""
     M, N, K, m_tiles, tmap_ptr = shape
-    num_pid_n = gl.cdiv(N, BN)
-    width = GROUP_M * num_pid_n
-    first_m = (tile // width) * GROUP_M
-    rows = gl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (tile % width) % rows
-    pid_n = (tile % width) // rows
+    pid_m, pid_n = grouped_tile(tile, gl.cdiv(N, BN), m_tiles, GROUP_M)  # the tile kernel's order
     if LAYOUT == 0:
         return pid_m * 0, pid_m * BM, M, pid_n
     else:

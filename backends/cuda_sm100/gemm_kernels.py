@@ -141,6 +141,16 @@ def group_tile_map_kernel(sizes_ptr, map_ptr, M, G, T, BM: tl.constexpr, G_P: tl
 
 
 @triton.jit
+def grouped_tile(tile, num_pid_n, m_tiles, GROUP_M: tl.constexpr):
+    """Tile id -> (row tile, column tile) in grouped order: GROUP_M row tiles walk the N tiles together, so
+    their B tiles stay in L2. Scalar arithmetic only, so gemm_gluon_kernels' Gluon kernel calls it too."""
+    width = GROUP_M * num_pid_n
+    first_m = (tile // width) * GROUP_M
+    rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    return first_m + (tile % width) % rows, (tile % width) // rows
+
+
+@triton.jit
 def _prefetch_rows_l2(b_ptr, rows, N, k0, K, stride_bn, LINES: tl.constexpr):
     """prefetch.global.L2 of LINES 128-byte lines of each row (< N) from column k0 on (unit column stride)."""
     per_line: tl.constexpr = 1024 // b_ptr.dtype.element_ty.primitive_bitwidth
@@ -174,13 +184,7 @@ def gemm_kernel(
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BN)
-    # Grouped ordering: GROUP_M row tiles walk the N tiles together so their B tiles stay in L2.
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(M_TILES - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(N, BN), M_TILES, GROUP_M)
     # The launcher makes SPLIT_K divide the K blocks, so every split runs the same trip count.
     kb_lo = pid_k * (tl.cdiv(K, BK) // SPLIT_K)
     if PREFETCH > 0:
