@@ -55,8 +55,8 @@ def choose_consumers(m: int, n: int, k: int, sms: int) -> int:
     rule picked the faster of the two on all 12.
     """
     def fill(rows: int) -> float:
-        tiles = -(-m // rows) * -(-n // 128)
-        return tiles / (-(-tiles // sms) * sms)
+        tiles = quant.cdiv(m, rows) * quant.cdiv(n, 128)
+        return tiles / (quant.cdiv(tiles, sms) * sms)
 
     return 3 if fill(192) * (1.1 if k < 4096 else 1.0) > fill(128) else 2
 
@@ -85,7 +85,6 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from deepinfer.backends.cuda_sm100 import gemm_kernels
-    from deepinfer.backends.cuda_sm100.gemm import next_pow2
 
     G = gluon_gate.kernels("gemm_gluon_kernels")
     bn, bk, half = G.BN.value, G.BK.value, G.HALF.value
@@ -97,16 +96,16 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
     stages, regs, maxnreg, _ = G.CONFIGS[consumers]
     bm = consumers * half
     if group_sizes is None:
-        m_tiles, tmap, bsg = -(-m // bm), out, 0  # (tmap: any pointer, unread)
+        m_tiles, tmap, bsg = quant.cdiv(m, bm), out, 0  # (tmap: any pointer, unread)
     else:
         groups = w.shape[0]
-        m_tiles = -(-m // bm) + min(groups, m)  # an upper bound on the tiles the groups cut the rows into
+        m_tiles = quant.cdiv(m, bm) + min(groups, m)  # an upper bound on the tiles the groups cut the rows into
         tmap = torch.empty(m_tiles, 3, dtype=torch.int32, device=a.device)
         gemm_kernels.group_tile_map_kernel[(m_tiles,)](group_sizes, tmap, m, groups, m_tiles, BM=bm,
-                                                       G_P=next_pow2(groups))
+                                                       G_P=quant.next_pow2(groups))
         bsg = w_scale.stride(0)
     w2 = w.reshape(-1, k)
-    G.fp8_gemm_ws_kernel[(min(m_tiles * -(-n // bn), sms),)](
+    G.fp8_gemm_ws_kernel[(min(m_tiles * quant.cdiv(n, bn), sms),)](
         TensorDescriptor(a, a.shape, a.stride(), [half, bk], al), TensorDescriptor(w2, w2.shape, w2.stride(), [bn, bk], bl),
         TensorDescriptor(out, out.shape, out.stride(), [half, bn], cl), out, out.stride(0), a_scale, a_scale.stride(0),
         a_scale.stride(1), w_scale, bsg, w_scale.stride(-2), w_scale.stride(-1), tmap, m, n, k, m_tiles,
