@@ -130,6 +130,14 @@ def sweep_configs(m: int, n: int, k: int) -> list[G.TileConfig]:
             cands.append(G.TileConfig(128, 128, 128, 8, 4, tma=True))
         tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
         cands.append(G.TileConfig(64, 128, 128, 4, 3, tma=True, split_k=G.split_divisor(kb, min(max(1, 3 * sms // tiles), max(1, kb // 4), 8))))
+        # Pointer-fed (no per-launch descriptor cost when eager) one-warpgroup tiles at several depths, split to
+        # fill 1 / 2 / 3 CTAs an SM.
+        for bm, bn, warps in ((64, 128, 4), (128, 64, 4), (64, 256, 8), (128, 128, 8)):
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            for stages in (3, 5):
+                for per_sm in (1, 2, 3):
+                    split = G.split_divisor(kb, min(max(1, per_sm * sms // tiles), max(1, kb // 4), 8))
+                    cands.append(G.TileConfig(bm, bn, 128, warps, stages, split_k=split))
     seen, out = set(), []
     for c in cands:
         if c not in seen:
@@ -175,6 +183,14 @@ def bench_fp8(sweep: bool, deadline: float) -> None:
                             t, err = None, f"wrong result: rel diff {diff:.2e}"
                     tried.append((t, cfg, err))
                     RESULTS["sweep"].append({"m": m, "n": n, "k": k, "cfg": asdict(cfg), "ms": t, "error": err})
+                if m < G.gemm_gluon.MIN_ROWS and G.gemm_gluon.fp8_ws_usable(xq, xs, w.data, w.scale, want.bfloat16(), G.gemm_gluon.MIN_ROWS):
+                    # The persistent warp-specialised kernel below its row threshold (128-row tiles), for comparison
+                    out_ws = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+                    t, err = try_time(lambda: G.gemm_gluon.launch_fp8_ws(xq, xs, w.data, w.scale, out_ws, consumers=2))
+                    if t is not None:
+                        err = f"(rel diff {((out_ws.float() - want).abs().max() / want.abs().max()).item():.1e})"
+                    print(f"|   sweep M={m} {n}x{k}: Gluon warp-specialised kernel, 2 consumers: "
+                          f"{tflops(m, n, k, t) if t else float('nan'):.0f} TFLOPS {err} |")
                 ok = [(t, c) for t, c, _ in tried if t is not None]
                 if ok:
                     t, c = min(ok, key=lambda p: p[0])

@@ -129,11 +129,18 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
         if rows <= 128:
             return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=stages, tma=True)
         return TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
-    # One matrix. Small M streams the weight: narrow tiles and split-K so every SM has a share. TMA saves
-    # no GPU time there but costs ~50-100 us of host time per launch in Triton 3.6 (descriptors are encoded
-    # per call), so small M loads through pointers; large M is compute-bound and TMA-fed.
+    # One matrix. Small M streams the weight: narrow tiles and split-K so every SM has a share; large M is
+    # compute-bound and TMA-fed. (The launcher loads small-M FP8 tiles through pointers when not capturing.)
     if decode:
         cfg = TileConfig(bm=16, bn=64, bk=bk, warps=4, stages=6)
+    elif fp8 and rows <= 128:
+        # One-warpgroup 64-row tiles, TMA-fed: 128 columns (3 stages) where those tiles alone fill the GPU, else
+        # 64 columns (5 stages) split along K to fill it. H200 sweep at M = 64 / 128 over ANCHORS.md's shapes
+        # (benchmarks/RESULTS.md issue 9, thirteenth session): the best of ~20 tiles within 3% on 11 of 12, e.g.
+        # M = 128 24576x1536 482 TFLOPS against 337 for the 128x128 / 8-warp tile that served there.
+        if cdiv(rows, 64) * cdiv(n, 128) >= sms:
+            return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=3, tma=True)
+        cfg = TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=5, tma=True)
     elif rows <= 64:
         cfg = TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=stages)
     elif rows <= 128:
@@ -238,12 +245,18 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     ieee = compute == torch.float32 and not a_fp8
     if invariant:  # batch-invariant mode: one tile shape whatever M is, no split-K: a row's sums run in a fixed order
         rows_hint = 64
+    picked = cfg is None
     cfg = cfg or pick_config(rows_hint, n, k, b_kind, layout if not invariant else 1, a.device, fused, ieee)
     if tile_n is not None and cfg.bn != tile_n:
         cfg = replace(cfg, bn=tile_n)
     even_k = k % cfg.bk == 0
     # TMA needs 16-byte aligned bases and row strides (else the same kernel loads through pointers).
-    use_tma = (cfg.tma and b_kind != 2 and layout != 3 and (k * a.element_size()) % 16 == 0 and (k * w.element_size()) % 16 == 0
+    # Triton 3.6 encodes TMA descriptors on every launch: 20-55 us more host time than pointer loads (H200 host,
+    # M <= 128; RESULTS.md issue 9, thirteenth session), more than the GPU time they save on a small one-matrix
+    # GEMM. A graph pays it once at capture, so picked tiles there are TMA-fed only then (same tiles, same sums).
+    eager_small = picked and layout == 0 and m <= 128 and not (a.is_cuda and torch.cuda.is_current_stream_capturing())
+    use_tma = (cfg.tma and not eager_small and b_kind != 2 and layout != 3 and (k * a.element_size()) % 16 == 0
+               and (k * w.element_size()) % 16 == 0
                and (a.stride(0) * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                and w.stride(1) == k and w.stride(0) == w.shape[1] * k)
     a_arg, b_arg = a, w
