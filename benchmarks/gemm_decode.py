@@ -6,8 +6,9 @@
 At decode batch sizes every GEMM of a DeepSeek layer reads its whole weight for a few rows, so what counts is
 GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases, per batch B:
 - experts: the routed + folded shared experts as the model runs them (tokens pick top_k distinct routed
-  experts at random plus every shared slice): gate/up fused with SiLU (and FP8 quantisation of its output for
-  FP8 weights), then the down projection, both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS
+  experts at random plus every shared slice): gate/up fused with SiLU (16-bit output, as the backend's
+  gated_linear asks), then the down projection (for FP8 weights with its activation quantisation, timed with
+  it), both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS
   calls over the active experts (bf16), and torch._grouped_mm where this torch has it.
 - dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (Triton) next
   to cuBLAS (bf16 matmul, or row-wise FP8 `torch._scaled_mm`), which the model uses for dense bf16 weights.
@@ -59,10 +60,10 @@ def weight_bytes(w: LinearWeight, n: int, k: int) -> float:
     return n * k * (w.data.element_size() + (4 / 128**2 if w.scale is not None else 0))
 
 
-def candidates(rows: int, bk: int, fused: bool, fp8_out: bool) -> list[G.TileConfig]:
+def candidates(rows: int, bk: int, fused: bool) -> list[G.TileConfig]:
     """Tiles for few rows: narrow (more CTAs to spread the weight over the SMs), deeper pipelines, split-K."""
     out = []
-    for bn in ((128,) if fp8_out else (32, 64, 128)):
+    for bn in (32, 64, 128):
         for stages in (4, 6):
             out.append(G.TileConfig(16, bn, bk, 4, stages))
             if bn >= 64:  # TMA-fed: the copies leave the registers and load units free to keep more in flight
@@ -136,22 +137,21 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
     x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16)
     fp8 = fmt == "fp8"
     bk = 128 if fp8 else 64
-    hidden = G.gate_up_silu(x, gate_up[0], group_sizes=sizes, validate=False)
-    hq, hs = hidden if fp8 else (hidden, None)
+    hidden = G.gate_up_silu(x, gate_up[0], group_sizes=sizes, quantize=False, validate=False)
     tag = f"B={batch} {fmt}"
 
     def fused(i, cfg=None):
-        return G.gate_up_silu(x, gate_up[i], group_sizes=sizes, cfg=cfg, validate=False)
+        return G.gate_up_silu(x, gate_up[i], group_sizes=sizes, quantize=False, cfg=cfg, validate=False)
 
     def unfused(i, cfg=None):
-        return G.silu_and_mul(G.grouped_linear(x, gate_up[i], sizes, cfg=cfg, validate=False), quantize=fp8)
+        return G.silu_and_mul(G.grouped_linear(x, gate_up[i], sizes, cfg=cfg, validate=False))
 
     runs = []
     if sweep:
-        runs = [(B.cfg_name(c), lambda i, c=c: fused(i, c)) for c in candidates(rows, bk, True, fp8)]
+        runs = [(B.cfg_name(c), lambda i, c=c: fused(i, c)) for c in candidates(rows, bk, True)]
         runs.append(("unfused default + silu (the model where gemm.fuse_gate_up says no)", unfused))
         runs += [("unfused " + B.cfg_name(c) + " + silu", lambda i, c=c: unfused(i, c))
-                 for c in candidates(rows, bk, False, fp8) if c.split_k > 1]
+                 for c in candidates(rows, bk, False) if c.split_k > 1]
     peers = []
     if not fp8:
         host = sizes.tolist()
@@ -167,13 +167,13 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
             active * weight_bytes(gate_up[0], 2 * inter, h), read, runs, peers)
 
     def down_run(i, cfg=None):
-        return G.grouped_linear(hq, down[i], sizes, x_scale=hs, cfg=cfg, validate=False)
+        return G.grouped_linear(hidden, down[i], sizes, cfg=cfg, validate=False)
 
-    runs = [(B.cfg_name(c), lambda i, c=c: down_run(i, c)) for c in (candidates(rows, bk, False, False) if sweep else [])]
+    runs = [(B.cfg_name(c), lambda i, c=c: down_run(i, c)) for c in (candidates(rows, bk, False) if sweep else [])]
     peers = []
     if not fp8:
         offs = torch.cumsum(sizes, 0).to(torch.int32)
-        peers.append(("torch._grouped_mm", lambda i: torch._grouped_mm(hq, down[i].data.transpose(-1, -2), offs=offs)))
+        peers.append(("torch._grouped_mm", lambda i: torch._grouped_mm(hidden, down[i].data.transpose(-1, -2), offs=offs)))
     measure(f"{tag} experts down [{active} of {groups} x {h}x{inter}]", down_run, COPIES,
             active * weight_bytes(down[0], h, inter), read, runs, peers)
     del gate_up, down
