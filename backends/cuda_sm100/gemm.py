@@ -114,8 +114,11 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     # NVFP4's dequantised tile keeps 64.
     wide_k = BLOCK if fp8 or (b_kind == 0 and rows > 2) else bk
     if fused:  # two accumulators (+ two promotion temporaries for FP8): halve the rows per tile
-        if decode:  # FP8: 128 columns, one quantisation group
-            return TileConfig(bm=16, bn=BLOCK if fp8 else 64, bk=wide_k, warps=4, stages=3 if wide_k > bk else 4)
+        # Decode: 64 columns, FP8 too (a quantised output widens them to its 128-column groups: gate_up_silu's
+        # tile_n). H200, V2-Lite FP8 batch 1: twice the CTAs of 128-wide tiles (176 for 132 SMs), gate/up 17.9 vs
+        # 18.8 us, e2e 470.8 / 470.2 vs 463.3 / 464.8 tok/s; batch 32 equal (RESULTS.md issue 10, thirteenth session).
+        if decode:
+            return TileConfig(bm=16, bn=64, bk=wide_k, warps=4, stages=3 if wide_k > bk else 4)
         return TileConfig(bm=64, bn=BLOCK, bk=bk, warps=8, stages=4 if fp8 else 3, tma=True)
     if decode and layout != 0 and (wide_k > bk or fp8):
         return TileConfig(bm=16, bn=128, bk=wide_k, warps=4, stages=4 if fp8 else 3)
