@@ -16,10 +16,10 @@ import torch
 from deepinfer import quant
 from deepinfer.backends.cuda_sm100 import gluon_gate
 
-# From this many rows on (H200, benchmarks/RESULTS.md issue 9, eleventh session): at M = 1024 the kernel beat the
-# tile kernel on 4 of 6 DeepSeek-V3 shapes (by up to 1.35x) and lost 7-10% on the other two; at M = 256 it lost
-# on 5 of 6 (too few 128-row tiles to fill 132 SMs).
-MIN_ROWS = 1024
+# From this many rows on (H200, benchmarks/RESULTS.md issue 9, eleventh and thirteenth sessions): at M = 512 the
+# kernel beat the tile kernel on all 6 DeepSeek-V3 shapes (by 3-27%); at M = 256 it lost on 4 of 6 (too few
+# 128-row tiles to fill 132 SMs).
+MIN_ROWS = 512
 # Grouped: rows per group (on average) from which it runs. H200: 8 groups x 512 rows (N 4096, K 7168) 1068
 # TFLOPS vs the tile kernel's 890; 256 experts top-8 at 4096 tokens (128 rows a group) 632 vs 638 (padding at
 # each group's end), so small groups stay on the tile kernel.
