@@ -8,8 +8,8 @@ GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases
 - experts: the routed + folded shared experts as the model runs them (tokens pick top_k distinct routed
   experts at random plus every shared slice): gate/up fused with SiLU (16-bit output, as the backend's
   gated_linear asks), then the down projection (for FP8 weights with its activation quantisation, timed with
-  it), both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS
-  calls over the active experts (bf16), and torch._grouped_mm where this torch has it.
+  it), both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS calls over the active experts
+  (bf16), and torch._grouped_mm where this torch has it.
 - dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (Triton) next
   to cuBLAS (bf16 matmul, or row-wise FP8 `torch._scaled_mm`), which the model uses for dense bf16 weights.
 With --sweep each case also tries narrower tiles, split-K and, for the fused gate/up, the unfused split-K

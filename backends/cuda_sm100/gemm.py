@@ -139,8 +139,8 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
     elif fp8 and rows <= 128:
         # One-warpgroup 64-row tiles, TMA-fed: 128 columns (3 stages) where those tiles alone fill the GPU, else
         # 64 columns (5 stages) split along K to fill it. H200 sweep at M = 64 / 128 over ANCHORS.md's shapes
-        # (benchmarks/RESULTS.md issue 9, thirteenth session): the best of ~20 tiles within 3% on 11 of 12, e.g.
-        # M = 128 24576x1536 482 TFLOPS against 337 for the 128x128 / 8-warp tile that served there.
+        # (benchmarks/RESULTS.md issue 9, thirteenth session): within 4% of the best of ~20 tiles on 11 of 12
+        # (7% on M = 64, 7168x16384); M = 128 24576x1536 482 TFLOPS against 337 for the 128x128 / 8-warp tile.
         if cdiv(rows, 64) * cdiv(n, 128) >= sms:
             return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=3, tma=True)
         cfg = TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=5, tma=True)
