@@ -24,15 +24,23 @@ def uniform(seed: int, position: int, purpose: str) -> float:
     return float(torch.rand((), generator=keyed_generator(seed, position, purpose)))
 
 
-def draw(probs: torch.Tensor, seed: int, position: int, purpose: str) -> int:
-    """A token from probs [V] by inverse CDF with one keyed uniform (a vocabulary of exponentials per draft
-    token, as the plain sampler's race uses, costs ~50x more on a CPU); zero-probability tokens are never drawn."""
+def draw_rows(probs: torch.Tensor, seeds: list[int], positions: list[int], purpose: str) -> list[int]:
+    """A token from each row of probs [R, V] by inverse CDF with one keyed uniform per row (a vocabulary of
+    exponentials per draft token, as the plain sampler's race uses, costs ~50x more on a CPU); zero-probability
+    tokens are never drawn. The CDFs and searches run batched: per row they cost more than the uniform."""
     cdf = probs.double().cumsum(-1)
-    u = uniform(seed, position, purpose) * float(cdf[-1])
-    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device), right=True))
-    if index >= probs.shape[-1] or float(probs[index]) <= 0.0:  # u rounded onto the top end
-        index = int(torch.nonzero(probs > 0)[-1])
-    return index
+    u = torch.tensor([uniform(s, p, purpose) for s, p in zip(seeds, positions)], dtype=torch.float64, device=cdf.device)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    v = probs.shape[-1]
+    # u rounded onto the top end (past the last token, or onto a zero-probability tail): the last possible token
+    off = (index >= v) | (probs.gather(-1, index.clamp(max=v - 1)[:, None])[:, 0] <= 0)
+    last = v - 1 - torch.argmax((probs > 0).flip(-1).to(torch.uint8), dim=-1)
+    return torch.where(off, last, index).tolist()
+
+
+def draw(probs: torch.Tensor, seed: int, position: int, purpose: str) -> int:
+    """draw_rows() for one distribution probs [V]."""
+    return draw_rows(probs[None], [seed], [position], purpose)[0]
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,16 +66,16 @@ def temperature_only(params: SamplingParams) -> bool:
 def choose_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                 positions: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
     """choose() for each row of logits [R, V]; greedy rows take one batched argmax, temperature-only rows one
-    batched softmax (the draws stay keyed per row)."""
+    batched softmax and draw (the uniforms stay keyed per row)."""
     tokens: list[int] = torch.argmax(logits, dim=-1).tolist()
     probs: list[torch.Tensor | None] = [None] * len(tokens)
     plain = [i for i, p in enumerate(params) if not p.greedy and temperature_only(p)]
     if plain:
         temps = torch.tensor([params[i].temperature for i in plain], dtype=torch.float32, device=logits.device)
         q = (logits[plain].float() / temps[:, None]).softmax(-1)
+        drawn = draw_rows(q, [seeds[i] for i in plain], [positions[i] for i in plain], "draft")
         for j, i in enumerate(plain):
-            probs[i] = q[j]
-            tokens[i] = draw(q[j], seeds[i], positions[i], "draft")
+            probs[i], tokens[i] = q[j], drawn[j]
     for i, p in enumerate(params):
         if not p.greedy and not temperature_only(p):
             tokens[i], probs[i] = choose(logits[i], p, seeds[i], positions[i])

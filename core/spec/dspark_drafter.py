@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from deepinfer.model.deepseek import DeepseekModel
 from deepinfer.spec.confidence import STSCalibration
@@ -112,15 +113,11 @@ class DSparkDrafter(Drafter):
         states = [self._ctx[requests[i].seq_id] for i in live]
         window = [min(s.hi - s.lo, self.cfg.window) for s in states]
         t = max(window)
-        ctx_kv = []
+        ctx_kv = []  # per layer: each sequence's last `window` context keys / values, zero-padded to t
         for layer in range(self.cfg.num_layers):
-            ks, vs = [], []
-            for s, w in zip(states, window):
-                k, v = s.kv[layer]
-                pad = (0, 0, 0, 0, 0, t - w)
-                ks.append(torch.nn.functional.pad(k[-w:], pad))
-                vs.append(torch.nn.functional.pad(v[-w:], pad))
-            ctx_kv.append((torch.stack(ks), torch.stack(vs)))
+            ks = pad_sequence([s.kv[layer][0][-w:] for s, w in zip(states, window)], batch_first=True)
+            vs = pad_sequence([s.kv[layer][1][-w:] for s, w in zip(states, window)], batch_first=True)
+            ctx_kv.append((ks, vs))
         mask = (torch.arange(t, device=dev)[None, :] < torch.tensor(window, device=dev)[:, None])[:, None, :]
         anchors = torch.tensor([[requests[i].anchor] for i in live], device=dev)
         anchor_pos = torch.tensor([[requests[i].position] for i in live], device=dev)
