@@ -124,21 +124,24 @@ class CudaFusedOps(FusedOps):
         if positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]:
             raise InvalidInputError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rope cache's length)")
 
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None) -> torch.Tensor:
         """16-bit on the GPU: the Triton flash kernel (prefill_attention_kernels.py; one compile serves every
-        shape), or with DEEPINFER_PREFILL_ATTENTION=cudnn cuDNN's SDPA split in two (prefill_attention.py:
-        ~20% faster on 16k-query chunks once warm, but a plan build of 40 ms to ~1 s per new bucketed shape).
-        Float32 and the CPU go to the reference (PyTorch's SDPA)."""
-        from deepinfer.ops.prefill_attention import check_prefill_attention
+        shape; rope parts read in place), or with DEEPINFER_PREFILL_ATTENTION=cudnn cuDNN's SDPA split in two
+        (prefill_attention.py: ~20% faster on 16k-query chunks once warm, but a plan build of 40 ms to ~1 s per
+        new bucketed shape). Float32 and the CPU go to the reference (PyTorch's SDPA)."""
+        from deepinfer.ops.prefill_attention import check_prefill_attention, joined_keys
 
-        check_prefill_attention(q, k, v, scale)
+        check_prefill_attention(q, k, v, scale, q_rope, k_rope)
         if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[0]:
             if self.prefill_impl == "triton":
                 from deepinfer.backends.cuda_sm100.prefill_attention_kernels import flash_prefill
 
-                return flash_prefill(q, k, v, scale)
+                return flash_prefill(q, k, v, scale, q_rope=q_rope, k_rope=k_rope)
             from deepinfer.backends.cuda_sm100 import prefill_attention as PA
 
+            q, k = joined_keys(q, k, q_rope, k_rope)
+            q_rope = k_rope = None
             key = (q.dtype, k.shape[-1], v.shape[-1])
             if PA.cudnn_usable(q, k, v) and key not in self._cudnn_refused:
                 try:
@@ -146,12 +149,12 @@ class CudaFusedOps(FusedOps):
                 except RuntimeError:  # this build's cuDNN does not take the shape: not tried again
                     self._cudnn_refused.add(key)
         if q.device.type != "cuda":
-            return super().prefill_attention(q, k, v, scale)
+            return super().prefill_attention(q, k, v, scale, q_rope, k_rope)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         # Off cuDNN: PyTorch would pick it for square causal chunks and build a plan per new shape.
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return super().prefill_attention(q, k, v, scale)
+            return super().prefill_attention(q, k, v, scale, q_rope, k_rope)
 
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         check_tensor("x", x, dtypes=FLOAT_DTYPES)

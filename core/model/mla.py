@@ -105,8 +105,9 @@ class MLAttention:
         for i, (q_len, s_len) in enumerate(zip(plan.batch.query_lens, plan.batch.seq_lens)):
             c_kv, k_pe = read_cached_sequence(plan, cache, i)
             kv = self.backend.linear(c_kv.to(dtype), self.kv_b).view(s_len, h, self.nope + self.v_dim)
-            k = torch.cat([kv[..., : self.nope], k_pe.to(dtype)[:, None, :].expand(s_len, h, self.rope)], dim=-1)
-            q = torch.cat([q_nope[start : start + q_len], q_pe[start : start + q_len]], dim=-1)
-            out[start : start + q_len] = self.backend.ops.prefill_attention(q, k, kv[..., self.nope :], self.softmax_scale)
+            # keys as (nope | rope) parts, the one roped key shared by every head: no concatenated copies
+            out[start : start + q_len] = self.backend.ops.prefill_attention(
+                q_nope[start : start + q_len], kv[..., : self.nope], kv[..., self.nope :], self.softmax_scale,
+                q_rope=q_pe[start : start + q_len], k_rope=k_pe.to(dtype)[:, None, :].expand(s_len, h, self.rope))
             start += q_len
         return out

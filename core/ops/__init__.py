@@ -81,9 +81,12 @@ class FusedOps:
         weights, ids = self.select_experts(linear(x.float(), gate), spec, correction_bias)
         return append_shared_experts(weights, ids, spec.num_experts, shared)
 
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of q [Lq, H, dk], the last Lq positions, over k [Ls, H, dk] / v [Ls, H, dv]."""
-        return prefill_attention(q, k, v, scale)
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of q [Lq, H, dk], the last Lq positions, over k [Ls, H, dk] / v [Ls, H, dv]. With
+        q_rope [Lq, H, dr] and k_rope [Ls, H, dr] (any strides: MLA passes one rope key shared by every head as
+        a stride-0 view) the keys are (q | q_rope) and (k | k_rope); a backend may read the parts in place."""
+        return prefill_attention(q, k, v, scale, q_rope, k_rope)
 
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., K] -> (float8_e4m3fn [..., K], fp32 scales [..., ceil(K/group)])."""

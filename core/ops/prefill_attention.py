@@ -14,22 +14,39 @@ from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 
 
-def check_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+def check_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=3, shape=[None, q.shape[1], q.shape[2]], dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=3, shape=[k.shape[0], q.shape[1], None], dtypes=(q.dtype,), device=q.device)
+    if (q_rope is None) != (k_rope is None):
+        raise InvalidInputError("q_rope and k_rope come together: the key's second part needs both sides")
+    if q_rope is not None:
+        check_tensor("q_rope", q_rope, ndim=3, shape=[q.shape[0], q.shape[1], None], dtypes=(q.dtype,), device=q.device)
+        check_tensor("k_rope", k_rope, ndim=3, shape=[k.shape[0], q.shape[1], q_rope.shape[2]], dtypes=(q.dtype,),
+                     device=q.device)
     if q.shape[0] > k.shape[0]:
         raise InvalidInputError(f"{q.shape[0]} queries cannot be the last positions of a {k.shape[0]}-key sequence")
     if not (isinstance(scale, float) and scale > 0):
         raise InvalidInputError(f"scale must be a positive float, got {scale!r}")
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def joined_keys(q: torch.Tensor, k: torch.Tensor, q_rope: torch.Tensor | None, k_rope: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q | q_rope, k | k_rope) along the head size: the keys as one tensor each (as given without rope parts)."""
+    if q_rope is None:
+        return q, k
+    return torch.cat([q, q_rope], dim=-1), torch.cat([k, k_rope], dim=-1)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None) -> torch.Tensor:
     """-> [Lq, H, dv] in q's dtype, through PyTorch's fused SDPA (values padded to the key width where they
-    are narrower: the flash kernels want one head size)."""
+    are narrower: the flash kernels want one head size). Rope parts are joined to the keys first."""
     from torch.nn.attention.bias import causal_lower_right
 
-    check_prefill_attention(q, k, v, scale)
+    check_prefill_attention(q, k, v, scale, q_rope, k_rope)
+    q, k = joined_keys(q, k, q_rope, k_rope)
     lq, ls, dk, dv = q.shape[0], k.shape[0], k.shape[-1], v.shape[-1]
     if lq == 0:
         return q.new_empty(0, q.shape[1], dv)

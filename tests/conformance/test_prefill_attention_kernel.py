@@ -45,11 +45,12 @@ def _mla_views(gen, lq, ls, h, dk, dv, dtype):
 
 
 def _check(lq, ls, h, dk, dv, dtype, gen, scale=0.3, tma=None, **tile):
-    from deepinfer.backends.cuda_sm100.prefill_attention_kernels import flash_prefill, tma_usable
+    from deepinfer.backends.cuda_sm100.prefill_attention_kernels import _key_parts, flash_prefill, tma_usable
 
     q, k, v = _mla_views(gen, lq, ls, h, dk, dv, dtype)
     if tma:
-        assert tma_usable(k, v)
+        _, _, _, k2, _, d2, _ = _key_parts(q, k, None, None)
+        assert tma_usable(k, k2, v, d2)
     tile["tma"] = tma
     assert v.stride(0) == h * (dk + dv)  # strided, not copied to contiguous
     out, lse = flash_prefill(q, k, v, scale, return_lse=True, **tile)
@@ -119,3 +120,25 @@ def test_split_key_dims():
     assert split_key_dims(128) == (128, 0)
     assert split_key_dims(24) == (16, 16)
     assert split_key_dims(576) == (512, 64)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("dn,dr,shared", [(32, 16, True), (32, 16, False), (16, 8, True), (24, 8, True)])
+def test_flash_prefill_separate_rope_parts(gen, dn, dr, shared, tma):
+    """Keys given as parts, as MLA's decompressed prefill has them: (q | q_rope) . (k | k_rope), k a strided view,
+    k_rope one key every head shares (a stride-0 head view) or per head; nothing concatenated. dn 24 (not a
+    power of two) is joined first; dr 8 reads a masked 16-wide tile (pointers only)."""
+    from deepinfer.backends.cuda_sm100.prefill_attention_kernels import flash_prefill
+
+    lq, ls, h, dv = 37, 90, 3, 16
+    q, qr = _randn(gen, lq, h, dn, dtype=torch.bfloat16), _randn(gen, lq, h, dr, dtype=torch.bfloat16)
+    kv = _randn(gen, ls, h, dn + dv, dtype=torch.bfloat16)
+    k, v = kv[..., :dn], kv[..., dn:]
+    kr = _randn(gen, ls, 1, dr, dtype=torch.bfloat16).expand(ls, h, dr) if shared else _randn(gen, ls, h, dr, dtype=torch.bfloat16)
+    out, lse = flash_prefill(q, k, v, 0.3, return_lse=True, tma=tma, q_rope=qr, k_rope=kr, **SMALL_TILE)
+    want, want_lse = math_attention(torch.cat([q, qr], -1), torch.cat([k, kr], -1), v, 0.3)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-4)
+    if dn & (dn - 1) == 0:  # the same two dots as the joined keys split at dn: bit for bit
+        joined = flash_prefill(torch.cat([q, qr], -1), torch.cat([k, kr], -1), v, 0.3, tma=tma, **SMALL_TILE)
+        torch.testing.assert_close(out, joined, rtol=0, atol=0)
