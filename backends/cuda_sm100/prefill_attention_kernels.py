@@ -12,7 +12,9 @@ descriptors where usable, else cp.async from pointers, either pipelined num_stag
 - one program per (head, block of BLOCK_M queries); the grid's fast axis is the head, and query blocks
   run last-first, so the programs with the most keys start first and the short ones fill the tail;
 - the key tile is two dots accumulating into one score tile: the first D1 columns (power of two, the
-  nope part) and the next D2 (the rope part), so dk = 192 costs no padding to 256;
+  nope part) and the next D2 (the rope part), so dk = 192 costs no padding to 256. The parts may be separate
+  tensors (flash_prefill's q_rope / k_rope): MLA's roped key is one per position, shared by every head, so it
+  is read through a stride-0 head view instead of being copied next to each head's nope key;
 - the key loop is split in two: blocks every query of the tile sees whole run without any mask, then
   the few blocks across the causal diagonal (and the sequence end) run masked;
 - online softmax in float32 in the exp2 domain (qk_scale = scale * log2 e folded into one FMA with the
