@@ -283,7 +283,10 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     n_tiles = cdiv(n, cfg.bn)
     target = out
     if split > 1:
-        target = torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+        # Masked layout: rows past a group's count are never written but are summed by the reduction (into
+        # rows the contract leaves undefined): zeroed, so that sum is not of uninitialised memory.
+        alloc = torch.zeros if layout == 2 else torch.empty
+        target = alloc(split, m, n, dtype=torch.float32, device=a.device)
     a_s = a_scale if a_scale is not None else a
     sc_arg = sc if sc is not None else w
     cs = out_scale if out_scale is not None else out
