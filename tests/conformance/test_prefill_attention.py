@@ -83,6 +83,26 @@ def test_prefill_attention_rejects_bad_input(backend, gen):
         backend.ops.prefill_attention(q[:2], k.double(), v, 0.5)
     with pytest.raises(InvalidInputError, match="scale"):
         backend.ops.prefill_attention(q[:2], k, v, -1.0)
+    qr, kr = _randn(gen, 2, 2, 4, device=dev), _randn(gen, 3, 2, 4, device=dev)
+    with pytest.raises(InvalidInputError, match="q_rope and k_rope"):
+        backend.ops.prefill_attention(q[:2], k, v, 0.5, q_rope=qr)
+    with pytest.raises(InvalidInputError, match="k_rope"):
+        backend.ops.prefill_attention(q[:2], k, v, 0.5, q_rope=qr, k_rope=kr[..., :3])
+
+
+@pytest.mark.parametrize("lq,ls", [(1, 9), (6, 33), (17, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_rope_parts(backend, gen, lq, ls, dtype):
+    """Keys in two parts, the rope key shared by every head (a stride-0 view, as MLA passes it): the attention of
+    the joined keys."""
+    h, dn, dr, dv, dev = 3, 16, 8, 16, backend.device
+    q, qr = _randn(gen, lq, h, dn, dtype=dtype, device=dev), _randn(gen, lq, h, dr, dtype=dtype, device=dev)
+    k, v = _randn(gen, ls, h, dn, dtype=dtype, device=dev), _randn(gen, ls, h, dv, dtype=dtype, device=dev)
+    kr = _randn(gen, ls, 1, dr, dtype=dtype, device=dev).expand(ls, h, dr)
+    got = backend.ops.prefill_attention(q, k, v, 0.3, q_rope=qr, k_rope=kr)
+    want = math_attention(torch.cat([q, qr], -1), torch.cat([k, kr], -1), v, 0.3)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU kernels (Triton, cuDNN's SDPA) need a GPU")
@@ -104,4 +124,10 @@ def test_cuda_prefill_attention_runs_its_kernels_at_mla_sizes(gen, lq, ls, impl,
     v = _randn(gen, ls, h, dv, dtype=torch.bfloat16, device="cuda")
     got = ops.prefill_attention(q, k, v, dk ** -0.5)
     want = math_attention(q, k, v, dk ** -0.5)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+    # MLA's parts: nope keys a strided view of [Ls, H, 128 + 128], one rope key [Ls, 64] shared by every head
+    kv = _randn(gen, ls, h, 128 + dv, dtype=torch.bfloat16, device="cuda")
+    kr = _randn(gen, ls, 1, dk - 128, dtype=torch.bfloat16, device="cuda").expand(ls, h, dk - 128)
+    got = ops.prefill_attention(q[..., :128], kv[..., :128], kv[..., 128:], dk ** -0.5, q_rope=q[..., 128:], k_rope=kr)
+    want = math_attention(q, torch.cat([kv[..., :128], kr], -1), kv[..., 128:], dk ** -0.5)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
