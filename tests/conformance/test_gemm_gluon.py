@@ -108,7 +108,7 @@ def test_gluon_grouped_fp8_gemm_matches_float64_and_tile_kernel(dev, gen, groups
 @pytest.mark.parametrize("grouped", [False, True])
 def test_gluon_fp8_gemm_replays_in_a_cuda_graph(dev, gen, grouped):
     """Captured once (descriptors encoded at capture, the tile map in the graph's pool), replayed on new inputs
-    and group sizes written in place: the eager result each time (speculative verification steps reach M >= 1024
+    and group sizes written in place: the eager result each time (speculative verification steps reach M >= MIN_ROWS
     inside decode graphs)."""
     from deepinfer.backends.cuda_sm100 import gemm, gemm_gluon
 
