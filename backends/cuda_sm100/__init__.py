@@ -40,6 +40,9 @@ class CudaSM100Backend(ReferenceBackend):
         if device is None:
             device = "cuda" if not triton_interpreter_requested() or self._cuda_available() else "cpu"
         super().__init__(device, batch_invariant)
+        from deepinfer.backends.cuda_sm100.mla_launch import TileChoices
+
+        self._mla_tile_choices = TileChoices()  # which MLA tile candidates fit this GPU, learnt per shape
 
     @property
     def capabilities(self):
@@ -104,13 +107,10 @@ class CudaSM100Backend(ReferenceBackend):
         attention.write_cache(plan, cache, c_kv, k_pe)
 
     def run_attention(self, plan, cache, q_nope, q_pe, softmax_scale, return_lse=False):
-        from deepinfer.backends.cuda_sm100 import attention, mla_launch
+        from deepinfer.backends.cuda_sm100 import attention
 
-        choices = self.__dict__.get("_mla_tile_choices")
-        if choices is None:  # which MLA tile candidates fit this GPU, learnt at the first launch of each shape
-            choices = self.__dict__["_mla_tile_choices"] = mla_launch.TileChoices()
         return attention.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse,
-                                       getattr(self, "batch_invariant", False), choices)
+                                       getattr(self, "batch_invariant", False), self._mla_tile_choices)
 
     def rope_norm_and_write_cache(self, plan, cache, q_pe, kv, kv_norm_weight, eps, cos_sin_cache, interleaved, *,
                                   validate=True):
