@@ -29,13 +29,12 @@ def draw_rows(probs: torch.Tensor, seeds: list[int], positions: list[int], purpo
     exponentials per draft token, as the plain sampler's race uses, costs ~50x more on a CPU); zero-probability
     tokens are never drawn. The CDFs and searches run batched: per row they cost more than the uniform."""
     cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
     u = torch.tensor([uniform(s, p, purpose) for s, p in zip(seeds, positions)], dtype=torch.float64, device=cdf.device)
-    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    v = probs.shape[-1]
-    # u rounded onto the top end (past the last token, or onto a zero-probability tail): the last possible token
-    off = (index >= v) | (probs.gather(-1, index.clamp(max=v - 1)[:, None])[:, 0] <= 0)
-    last = v - 1 - torch.argmax((probs > 0).flip(-1).to(torch.uint8), dim=-1)
-    return torch.where(off, last, index).tolist()
+    # u < 1, but u * total may round up to total: kept below it, the search lands where the CDF steps up, which
+    # only a token of positive probability does (never past the end or on a zero-probability tail)
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0].tolist()
 
 
 def draw(probs: torch.Tensor, seed: int, position: int, purpose: str) -> int:
