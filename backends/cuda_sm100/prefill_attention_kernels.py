@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.prefill_attention import joined_keys
+
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -213,7 +215,7 @@ def _key_parts(q: torch.Tensor, k: torch.Tensor, q_rope: torch.Tensor | None, k_
     columns of q2 / k2 read in a D2-wide tile. Without rope parts both come from the one tensor (split at
     split_key_dims); with them, q / k are the nope parts (D1 their width: a power of two, else they are joined)."""
     if q_rope is not None and q.shape[-1] != triton.next_power_of_2(q.shape[-1]):
-        q, k, q_rope, k_rope = torch.cat([q, q_rope], -1), torch.cat([k, k_rope], -1), None, None
+        (q, k), q_rope, k_rope = joined_keys(q, k, q_rope, k_rope), None, None
     if q_rope is None:
         d1, d2 = split_key_dims(q.shape[-1])
         if d2 == 0:  # one power-of-two part: the second is never read (q, k stand in for it)
