@@ -168,11 +168,21 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> boo
         return False
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
+    args = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
+            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, row_tiles)
+    grid = (items.shape[0] * row_tiles,)
+    if seesaw_usable(spec, q_nope.device):
+        S = gluon_gate.kernels("mla_seesaw_kernels")
+        S.mla_seesaw_kernel[grid](*args, num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
+        return True
     G = gluon_gate.kernels("mla_gluon_kernels")
-    G.mla_attn_gluon_kernel[(items.shape[0] * row_tiles,)](
-        q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
-        plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items,
-        *tail, row_tiles, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
-        **launch_kwargs(),
-    )
+    G.mla_attn_gluon_kernel[grid](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
+                                  **launch_kwargs())
     return True
+
+
+def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
+    """Whether a bf16 cache's 64-row tiles run on mla_seesaw_kernels (two warpgroups, FlashMLA's schedule) rather
+    than mla_gluon_kernels' lockstep warpgroups. DEEPINFER_MLA_SEESAW=0 keeps the lockstep kernel (A/B runs)."""
+    return (os.environ.get("DEEPINFER_MLA_SEESAW", "1") != "0" and spec.dtype == "bf16"
+            and spec.block_size % 64 == 0 and gluon_gate.runs_on(device, "mla_seesaw_kernels"))

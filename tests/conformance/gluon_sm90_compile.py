@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from triton_sm90_report import compile_sm90  # noqa: E402
+from triton_sm90_report import compile_sm90, resource_usage  # noqa: E402
 
 
-def mla(fp8: bool):
-    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels as G
+def mla_args(fp8: bool) -> dict:
 
     if fp8:  # DeepSeek's 656-byte rows through the fp8 / fp32 / bf16 views, strides in elements
         views = dict(lat_ptr="*fp8e4nv", scl_ptr="*fp32", rope_ptr="*bf16", lat_sb=64 * 656, lat_st=656,
@@ -30,8 +29,20 @@ def mla(fp8: bool):
                 bt_ptr="*i32", bt_stride=64, meta_ptr="*i32", meta_stride=128, items_ptr="*i32", out_ptr="*bf16",
                 lse_ptr="*fp32", o_st=128 * 512, o_sh=512, po_ptr="*fp32", plse_ptr="*fp32", H=128, qk_scale=0.1,
                 row_tiles=2, **views)
+    return args
+
+
+def mla(fp8: bool):
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kernels as G
+
     consts = dict(R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=fp8, PDL=True)
-    return compile_sm90(G.mla_attn_gluon_kernel, args, consts, G.NUM_WARPS)
+    return compile_sm90(G.mla_attn_gluon_kernel, mla_args(fp8), consts, G.NUM_WARPS)
+
+
+def mla_seesaw():
+    from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
+
+    return compile_sm90(S.mla_seesaw_kernel, mla_args(False), dict(PDL=True), S.NUM_WARPS, maxnreg=S.MAXNREG)
 
 
 def gemm(consumers: int, out_dtype: str, layout: int):
@@ -58,6 +69,8 @@ def report(compiled) -> dict:
 
 def main() -> None:
     out = {f"mla-{fp8}": report(mla(fp8)) for fp8 in (False, True)}
+    seesaw = mla_seesaw()
+    out["mla-seesaw"] = {**report(seesaw), **resource_usage(seesaw)}
     for consumers in (2, 3):
         for out_dtype in ("bf16", "fp16"):
             for layout in (0, 1):

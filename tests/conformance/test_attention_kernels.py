@@ -116,19 +116,23 @@ def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, head
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype,seesaw", [("bf16", True), ("bf16", False), ("fp8_e4m3", False)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
 @pytest.mark.parametrize("heads", [128, 16])
-@pytest.mark.parametrize("split", [None, 64])
-def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, query_lens, heads, split):
-    """64-row tiles on the Gluon kernel (128 heads; 16 heads x 4 queries), bf16 and FP8 caches: against the
-    reference, and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the
-    sequence, causal queries, direct and split items; the launch counter proves the Gluon kernel ran."""
+@pytest.mark.parametrize("split", [None, 64, 128])
+def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, seesaw, query_lens, heads,
+                                                split):
+    """64-row tiles on the Gluon kernels (128 heads; 16 heads x 4 queries): bf16 on the seesaw kernel and on the
+    lockstep one, FP8 on the lockstep one; against the reference, and against mla_attn_kernel on the same inputs.
+    Ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items, odd numbers of
+    key blocks (the seesaw pairs the last with a masked one); the launch counter proves a Gluon kernel ran."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    monkeypatch.setenv("DEEPINFER_MLA_SEESAW", "1" if seesaw else "0")
+    assert A.seesaw_usable(spec, kern.device) == seesaw
     if heads == 16 and max(query_lens) < 3:
         pytest.skip("16 heads take 64-row tiles only with 3+ queries a sequence")
     seq_lens = (1, 70, 700, 2000, 4100, 9000)

@@ -1,4 +1,4 @@
-"""The Gluon kernels (MLA decode, warp-specialised FP8 GEMM) compiled for sm_90 on any machine (Triton ships
+"""The Gluon kernels (MLA decode: lockstep and seesaw; warp-specialised FP8 GEMM) compiled for sm_90 on any machine (Triton ships
 ptxas): they still build, and their shared memory is what the host's capacity checks (`SMEM_BYTES`) assume.
 The GPU tests run them; this keeps a compile break or a shared-memory change from first showing up on a GPU.
 
@@ -39,6 +39,19 @@ def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(compiled, f
     assert case["shared"] == G.SMEM_BYTES
     assert case["ptx"].count("wgmma.mma_async") > 0 and "cp.async.cg.shared.global" in case["ptx"]
     assert "griddepcontrol.wait" in case["ptx"]  # PDL: nothing is read before the previous kernel is done
+
+
+def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled):
+    """Both warpgroups' loops keep their wgmma descriptors in registers (a hoisted set spills: 576 B of stack)
+    and hand P to each other through stmatrix; PDL as the lockstep kernel."""
+    from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
+
+    case = compiled["mla-seesaw"]
+    assert case["shared"] == S.SMEM_BYTES and case["stack"] == 0
+    ptx = case["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert "cp.async.mbarrier.arrive.noinc" in ptx and "griddepcontrol.wait" in ptx
 
 
 @pytest.mark.parametrize("layout", [0, 1])

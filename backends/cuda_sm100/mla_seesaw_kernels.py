@@ -1,0 +1,327 @@
+"""MLA decode over the bf16 paged latent cache, 64 query rows a program, on FlashMLA's "seesaw" schedule (Gluon,
+Hopper).
+
+Why: mla_gluon_kernels runs its two warpgroups in lockstep (scores, softmax, P.V, in turn), so the tensor cores
+idle through every softmax and every hand-over of P; at 128 heads it reached 0.48-0.51 of the bf16 matmul rate
+(benchmarks/RESULTS.md, issue 8). The output [64, 512] fills one warpgroup's registers per 256 columns, so two
+output tiles (FlashAttention-3's ping-pong) do not fit. FlashMLA's answer, written here in Gluon: take key
+blocks two at a time, K0 and K1 (64 keys each; in MLA the values are the keys' first 512 channels), and let
+
+- warpgroup 0 own the left 256 output columns and compute block 0's scores,
+- warpgroup 1 own the right 256 columns and compute block 1's scores,
+
+with one running max m shared between them:
+
+    [0] s0 = q K0^T; m0 = max(m, rowmax s0); p0 = exp(s0 - m0); o_L = o_L * exp(m - m0) + p0 V0_L   (p0 in registers)
+    [1] s1 = q K1^T; m1 = max(m0, rowmax s1); p1 = exp(s1 - m1); o_R = o_R * exp(m - m1) + p1 V1_R
+    [0] p0 *= exp(m0 - m1) -> shared memory;  o_L = o_L * exp(m0 - m1) + p1 V1_L                   (p1 from [1])
+    [1] o_R += p0 V0_R                                                                          (p0 from [0])
+
+so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. It is FlashAttention's online
+softmax, reordered: the same sums in a different association.
+
+Memory: queries [64, 576] and two key blocks fill 216 KiB, so the probabilities a warpgroup hands over go into
+the block's rope buffer (its last 64 channels), dead once that block's scores are done. Each part of a block is
+reloaded (cp.async, completion signalled on an mbarrier) by the warpgroup that uses it last, right after that
+use: the next pair's left half of K0 is in flight while both warpgroups still work on this pair.
+
+Same contract as mla_attn_kernel / mla_attn_gluon_kernel (work items, rows = query x head, causal positions,
+direct or partial outputs with log-sum-exp), for what mla_launch.seesaw_usable checks: bf16 queries and cache,
+rank 512, rope 64, tiles aligned to blocks of 64. GPU only (Gluon has no interpreter): the conformance tests run
+it on the H200 against the reference, and test_gluon_compile.py compiles it for sm_90 on the CPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter
+
+_LN2 = gl.constexpr(0.6931471805599453)
+
+R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank); each warpgroup owns half of it
+P = gl.constexpr(64)  # rope width
+BM = gl.constexpr(64)  # query rows a program (one wgmma M)
+BN = gl.constexpr(64)  # keys a block (the cache's block size)
+NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
+WORKER_REGS = gl.constexpr(240)
+MAXNREG = 240
+SMEM_BYTES = 222572  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
+
+# mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup). Exchanges: one.
+_Q, _K0L, _K0RE, _K1R, _K1LE, _M0, _M1, _P0, _P1, _L0, _L1 = (gl.constexpr(b) for b in range(11))
+_NBARS = gl.constexpr(11)
+_HALF = gl.constexpr(256)
+
+
+@gluon.jit
+def _copy_rows(dst, ptr, row_off, col0, rmask, W: gl.constexpr, L: gl.constexpr):
+    """cp.async rows (element offsets row_off [64], masked rows zero-filled) x W columns from col0 into dst."""
+    c = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    async_copy.async_copy_global_to_shared(dst, ptr + row_off[:, None] + c[None, :], mask=rmask[:, None])
+
+
+@gluon.jit
+def _key_rows(bt_row, start, kv_end, BS, sb, st, L: gl.constexpr):
+    """Element offsets of keys [start, start + 64) (one cache block) and which are real."""
+    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    return blk * sb + (start % BS + n).to(gl.int64) * st, start + n < kv_end
+
+
+@gluon.jit
+def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, PART: gl.constexpr, L: gl.constexpr,
+               PL: gl.constexpr):
+    """Copy one part of the key block at `start` and signal `bar` when this thread's copies land.
+    PART 0: left half; 1: right half + rope; 2: right half; 3: left half + rope (dst_b: the rope buffer)."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
+    rows, ok = _key_rows(bt_row, start, kv_end, BS, lat_sb, lat_st, L)
+    col0 = 0 if (PART == 0 or PART == 3) else _HALF
+    _copy_rows(dst_a, lat_ptr, rows, col0, ok, _HALF, L)
+    if PART == 1 or PART == 3:
+        prow, pok = _key_rows(bt_row, start, kv_end, BS, rope_sb, rope_st, PL)
+        _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _scores(a0, b0, a1, b1, a2, b2, bars, bar_a, bar_b, ph, zero):
+    """q K^T for one key block: the half whose copy lands first, then the other half and the rope part."""
+    mbarrier.wait(bars.index(bar_a), ph)
+    fence_async_shared()  # cp.async writes are generic-proxy: order them before the wgmma's reads
+    s = warpgroup_mma(a0, b0.permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(bars.index(bar_b), ph)
+    fence_async_shared()
+    s = warpgroup_mma(a1, b1.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(a2, b2.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
+def _masked(s, start, pos, kv_end, qk_scale, S_L: gl.constexpr):
+    """Scores in the exp2 domain, -inf where a key is past the row's query position or the item's end."""
+    offs = start + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
+    return gl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] < kv_end), s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _publish_rows(buf, x, bars, bar):
+    """Hand a row vector to the other warpgroup (shared memory, then one arrival once every thread stored)."""
+    buf.store(x)
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(bar))
+
+
+@gluon.jit
+def _publish_p(buf, p, bars, bar):
+    """Hand probabilities [64, 64] to the other warpgroup's wgmma (async proxy) through shared memory."""
+    buf.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(bar))
+
+
+@gluon.jit
+def _rows(x, L: gl.constexpr):
+    return gl.convert_layout(x, gl.SliceLayout(1, L))[:, None]
+
+
+@gluon.jit
+def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S_L: gl.constexpr):
+    """Add the other warpgroup's row sums, normalise this warpgroup's 256 columns and store them (the direct output
+    or a float32 partial); warpgroup 0 stores the log-sum-exp."""
+    q_l, q_r, q_e, k_l, k_r, k_e, xch = smem
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot = out_args
+    _publish_rows(xch.slice((2 + W) * BM, BM), l, bars, _L0 + W)
+    mbarrier.wait(bars.index(_L1 - W), 0)
+    l = l + xch.slice((3 - W) * BM, BM).load(gl.SliceLayout(1, S_L))
+    has = l > 0.0
+    inv_l = gl.where(has, 1.0 / gl.where(has, l, 1.0), 0.0)
+    ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
+    jo = ro // H
+    ho = ro % H
+    keep = (jo < qlen) & (slot >= -1)
+    o = o * _rows(inv_l, O_L)
+    co = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, O_L))
+    if slot == -1:
+        tok = (tok0 + jo).to(gl.int64)
+        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
+    else:
+        prow = (slot + jo).to(gl.int64) * H + ho
+        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
+    if W == 0:
+        lse = gl.where(has, (m + gl.log2(gl.where(has, l, 1.0))) * _LN2, float("-inf"))
+        rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+        jl = rs // H
+        keep_l = (jl < qlen) & (slot >= -1)
+        if slot == -1:
+            gl.store(lse_ptr + (tok0 + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l)
+        else:
+            gl.store(plse_ptr + (slot + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l & (slot >= 0))
+
+
+@gluon.jit
+def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, W: gl.constexpr):
+    """Warpgroup W's side of the seesaw (W 0: left columns, even blocks; W 1: right columns, odd blocks)."""
+    q_l, q_r, q_e, k_l, k_r, k_e, xch = smem
+    row0, H, qlen, slen, slot = pos_args
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    CP_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
+    pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
+    m = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(1, S_L))  # finite: masked rows give p = 0
+    l = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, S_L))
+    o = gl.zeros([BM, _HALF], gl.float32, layout=O_L)
+    zero = gl.zeros([BM, BN], gl.float32, layout=S_L)
+    mbarrier.wait(bars.index(_Q), 0)
+    for i in range(n_pairs):
+        ph = i & 1
+        more = i + 1 < n_pairs
+        start = kv_lo + (2 * i + W) * BN
+        # Buffers through an index that is 0 but varies with i: with constant buffers the compiler hoists the
+        # wgmma's ~80 shared-memory descriptors out of the loop, and they spill (sm_90 compile, 576 B of stack).
+        z = i >> 30
+        ql = q_l.index(z)
+        qr = q_r.index(z)
+        qe = q_e.index(z)
+        if W == 0:
+            s = _scores(ql, k_l.index(z), qr, k_r.index(z), qe, k_e.index(z), bars, _K0L, _K0RE, ph, zero)
+            s = _masked(s, start, pos, kv_end, qk_scale, S_L)
+            m0 = gl.maximum(m, gl.max(s, axis=1))
+            _publish_rows(xch.slice((0) * BM, BM), m0, bars, _M0)
+            p = gl.exp2(s - m0[:, None])
+            scale = gl.exp2(m - m0)
+            l = l * scale + gl.sum(p, axis=1)
+            o = o * _rows(scale, O_L)
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_l.index(z), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if more:  # K0's left half is done with: the next pair's, in flight from now
+                gl.thread_barrier()
+                _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
+                           CP_L, PE_L)
+            mbarrier.wait(bars.index(_M1), ph)
+            m1 = xch.slice((1) * BM, BM).load(gl.SliceLayout(1, S_L))
+            scale = gl.exp2(m0 - m1)
+            m = m1
+            l = l * scale
+            _publish_p(k_e.index(z), p * scale[:, None], bars, _P0)  # K0's rope part is dead: p0 goes there
+            o = o * _rows(scale, O_L)
+            mbarrier.wait(bars.index(_P1), ph)
+            fence_async_shared()
+            o = warpgroup_mma(k_e.index(z + 1), k_l.index(z + 1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if more:  # the last use of K1's left half and of p1 (its rope buffer)
+                gl.thread_barrier()
+                _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1LE), cache, bt_row, start + 3 * BN, kv_end, 3,
+                           CP_L, PE_L)
+        else:
+            s = _scores(qr, k_r.index(z + 1), ql, k_l.index(z + 1), qe, k_e.index(z + 1), bars, _K1R, _K1LE, ph, zero)
+            s = _masked(s, start, pos, kv_end, qk_scale, S_L)
+            mp = gl.max(s, axis=1)
+            mbarrier.wait(bars.index(_M0), ph)
+            m0 = xch.slice((0) * BM, BM).load(gl.SliceLayout(1, S_L))
+            m1 = gl.maximum(m0, mp)
+            _publish_rows(xch.slice((1) * BM, BM), m1, bars, _M1)
+            p = gl.exp2(s - m1[:, None])
+            scale = gl.exp2(m - m1)
+            m = m1
+            l = l * scale + gl.sum(p, axis=1)
+            _publish_p(k_e.index(z + 1), p, bars, _P1)  # K1's rope part is dead: p1 goes there
+            o = o * _rows(scale, O_L)
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if more:
+                gl.thread_barrier()
+                _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN, kv_end, 2,
+                           CP_L, PE_L)
+            mbarrier.wait(bars.index(_P0), ph)
+            fence_async_shared()
+            o = warpgroup_mma(k_e.index(z), k_r.index(z), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if more:  # the last use of K0's right half and of p0 (its rope buffer)
+                gl.thread_barrier()
+                _load_part(k_r.index(z), k_e.index(z), bars.index(_K0RE), cache, bt_row, start + BN, kv_end, 1,
+                           CP_L, PE_L)
+    _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
+
+
+@gluon.jit
+def mla_seesaw_kernel(
+    q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
+    lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
+    bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
+    H, qk_scale, row_tiles,
+    PDL: gl.constexpr = False,
+):
+    """One program = one work item x 64 query rows, as mla_attn_kernel (see its docstring; same arguments, the
+    FP8 scale view unused). The prologue (default partition) copies the queries and the first pair of blocks,
+    then the two warpgroups run the seesaw."""
+    CP_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    HALF_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, _HALF], gl.bfloat16)
+    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
+
+    _gdc_enter(PDL)
+    item = gl.program_id(0) // row_tiles
+    row0 = (gl.program_id(0) % row_tiles) * BM
+    seq = gl.load(items_ptr + item * 4)
+    kv_lo = gl.load(items_ptr + item * 4 + 1)
+    kv_hi = gl.load(items_ptr + item * 4 + 2)
+    slot = gl.load(items_ptr + item * 4 + 3)
+    tok0 = gl.load(meta_ptr + seq)
+    qlen = gl.load(meta_ptr + meta_stride + seq)
+    slen = gl.load(meta_ptr + 2 * meta_stride + seq)
+    # Causal: no key past the tile's last query (row0 + BM - 1, or the last query of the sequence).
+    last_j = gl.minimum((row0 + BM - 1) // H, qlen - 1)
+    kv_end = gl.minimum(kv_hi, slen - qlen + last_j + 1)
+    kv_end = gl.where((slot >= -1) & (row0 // H < qlen), kv_end, kv_lo)  # padding, or no query rows: no keys
+    n_pairs = gl.cdiv(gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN), 2)  # an odd last block pairs with a masked one
+    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
+
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [1, BM, _HALF], HALF_S)  # [1, ...]: see _warpgroup's loop
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [1, BM, _HALF], HALF_S)
+    q_e = gl.allocate_shared_memory(gl.bfloat16, [1, BM, P], PE_S)
+    k_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
+    k_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
+    k_e = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)  # rope keys, then the block's probabilities
+    xch = gl.allocate_shared_memory(gl.float32, [4 * BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # m0, m1, l0, l1
+    bars = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(_NBARS):
+        mbarrier.init(bars.index(b), count=128 if b <= _K1LE else 1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # Queries: rows past the sequence's queries (or of padding items) are zero-filled.
+    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, CP_L))
+    rok = (r // H < qlen) & (slot >= -1)
+    qrow = (tok0 + r // H).to(gl.int64) * q_st + (r % H) * q_sh
+    _copy_rows(q_l.index(0), q_ptr, qrow, 0, rok, _HALF, CP_L)
+    _copy_rows(q_r.index(0), q_ptr, qrow, _HALF, rok, _HALF, CP_L)
+    re = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PE_L))
+    _copy_rows(q_e.index(0), qpe_ptr, (tok0 + re // H).to(gl.int64) * qpe_st + (re % H) * qpe_sh, 0,
+               (re // H < qlen) & (slot >= -1), P, PE_L)
+    async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
+    cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
+    if n_pairs > 0:
+        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, CP_L, PE_L)
+        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, CP_L, PE_L)
+        _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 2, CP_L, PE_L)
+        _load_part(k_l.index(1), k_e.index(1), bars.index(_K1LE), cache, bt_row, kv_lo + BN, kv_end, 3, CP_L, PE_L)
+
+    smem = (q_l, q_r, q_e, k_l, k_r, k_e, xch)
+    pos_args = (row0, H, qlen, slen, slot)
+    out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot)
+    gl.warp_specialize([
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 0)),
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 1)),
+    ], [4], [WORKER_REGS])
