@@ -10,12 +10,13 @@ blocks two at a time, K0 and K1 (64 keys each; in MLA the values are the keys' f
 - warpgroup 0 own the left 256 output columns and compute block 0's scores,
 - warpgroup 1 own the right 256 columns and compute block 1's scores,
 
-with one running max m shared between them:
+with one running max m shared between them (a pair: m -> m0 -> m1):
 
-    [0] s0 = q K0^T; m0 = max(m, rowmax s0); p0 = exp(s0 - m0); o_L = o_L * exp(m - m0) + p0 V0_L   (p0 in registers)
-    [1] s1 = q K1^T; m1 = max(m0, rowmax s1); p1 = exp(s1 - m1); o_R = o_R * exp(m - m1) + p1 V1_R
-    [0] p0 *= exp(m0 - m1) -> shared memory;  o_L = o_L * exp(m0 - m1) + p1 V1_L                   (p1 from [1])
-    [1] o_R += p0 V0_R                                                                          (p0 from [0])
+    [0] s0 = q K0^T; m0 = max(m, rowmax s0); p0 = exp(s0 - m0) -> shared memory
+        o_L = o_L * exp(m - m0) + p0 V0_L                                        (p0 from registers)
+    [1] s1 = q K1^T; m1 = max(m0, rowmax s1); p1 = exp(s1 - m1) -> shared memory
+        o_R = (o_R * exp(m - m0) + p0 V0_R) * exp(m0 - m1) + p1 V1_R             (p0 from [0])
+    [0] o_L = o_L * exp(m0 - m1) + p1 V1_L                                       (p1 from [1])
 
 so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. It is FlashAttention's online
 softmax, reordered: the same sums in a different association.
@@ -51,11 +52,11 @@ BN = gl.constexpr(64)  # keys a block (the cache's block size)
 NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
 WORKER_REGS = gl.constexpr(240)
 MAXNREG = 240
-SMEM_BYTES = 222572  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
+SMEM_BYTES = 222556  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
 
 # mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup). Exchanges: one.
-_Q, _K0L, _K0RE, _K1R, _K1LE, _M0, _M1, _P0, _P1, _L0, _L1 = (gl.constexpr(b) for b in range(11))
-_NBARS = gl.constexpr(11)
+_Q, _K0L, _K0RE, _K1R, _K1LE, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(9))
+_NBARS = gl.constexpr(9)
 _HALF = gl.constexpr(256)
 
 
@@ -110,18 +111,13 @@ def _masked(s, start, pos, kv_end, qk_scale, S_L: gl.constexpr):
 
 
 @gluon.jit
-def _publish_rows(buf, x, bars, bar):
-    """Hand a row vector to the other warpgroup (shared memory, then one arrival once every thread stored)."""
-    buf.store(x)
-    gl.thread_barrier()
-    mbarrier.arrive(bars.index(bar))
-
-
-@gluon.jit
-def _publish_p(buf, p, bars, bar):
-    """Hand probabilities [64, 64] to the other warpgroup's wgmma (async proxy) through shared memory."""
-    buf.store(p.to(gl.bfloat16))
-    fence_async_shared()
+def _publish(rows_buf, x, p_buf, p, bars, bar, P_TOO: gl.constexpr):
+    """Hand the other warpgroup a row vector (and probabilities [64, 64] for its wgmma, which reads through the
+    async proxy) in shared memory, with one arrival once every thread stored."""
+    rows_buf.store(x)
+    if P_TOO:
+        p_buf.store(p.to(gl.bfloat16))
+        fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(bars.index(bar))
 
@@ -137,7 +133,7 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
     or a float32 partial); warpgroup 0 stores the log-sum-exp."""
     q_l, q_r, q_e, k_l, k_r, k_e, xch = smem
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot = out_args
-    _publish_rows(xch.slice((2 + W) * BM, BM), l, bars, _L0 + W)
+    _publish(xch.slice((2 + W) * BM, BM), l, xch, l, bars, _L0 + W, False)
     mbarrier.wait(bars.index(_L1 - W), 0)
     l = l + xch.slice((3 - W) * BM, BM).load(gl.SliceLayout(1, S_L))
     has = l > 0.0
@@ -197,8 +193,8 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             s = _scores(ql, k_l.index(z), qr, k_r.index(z), qe, k_e.index(z), bars, _K0L, _K0RE, ph, zero)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             m0 = gl.maximum(m, gl.max(s, axis=1))
-            _publish_rows(xch.slice((0) * BM, BM), m0, bars, _M0)
             p = gl.exp2(s - m0[:, None])
+            _publish(xch.slice(0, BM), m0, k_e.index(z), p, bars, _X0, True)  # K0's rope part is dead: p0 there
             scale = gl.exp2(m - m0)
             l = l * scale + gl.sum(p, axis=1)
             o = o * _rows(scale, O_L)
@@ -208,49 +204,46 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                 gl.thread_barrier()
                 _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
                            CP_L, PE_L)
-            mbarrier.wait(bars.index(_M1), ph)
-            m1 = xch.slice((1) * BM, BM).load(gl.SliceLayout(1, S_L))
-            scale = gl.exp2(m0 - m1)
-            m = m1
+            mbarrier.wait(bars.index(_X1), ph)
+            m = xch.slice(BM, BM).load(gl.SliceLayout(1, S_L))
+            scale = gl.exp2(m0 - m)
             l = l * scale
-            _publish_p(k_e.index(z), p * scale[:, None], bars, _P0)  # K0's rope part is dead: p0 goes there
             o = o * _rows(scale, O_L)
-            mbarrier.wait(bars.index(_P1), ph)
             fence_async_shared()
-            o = warpgroup_mma(k_e.index(z + 1), k_l.index(z + 1), o, is_async=True)
+            o = warpgroup_mma(k_e.index(z + 1), k_l.index(z + 1), o, is_async=True)  # p1 . V1_L
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # the last use of K1's left half and of p1 (its rope buffer)
                 gl.thread_barrier()
-                _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1LE), cache, bt_row, start + 3 * BN, kv_end, 3,
-                           CP_L, PE_L)
+                _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1LE), cache, bt_row, start + 3 * BN,
+                           kv_end, 3, CP_L, PE_L)
         else:
             s = _scores(qr, k_r.index(z + 1), ql, k_l.index(z + 1), qe, k_e.index(z + 1), bars, _K1R, _K1LE, ph, zero)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             mp = gl.max(s, axis=1)
-            mbarrier.wait(bars.index(_M0), ph)
-            m0 = xch.slice((0) * BM, BM).load(gl.SliceLayout(1, S_L))
+            mbarrier.wait(bars.index(_X0), ph)
+            m0 = xch.slice(0, BM).load(gl.SliceLayout(1, S_L))
             m1 = gl.maximum(m0, mp)
-            _publish_rows(xch.slice((1) * BM, BM), m1, bars, _M1)
             p = gl.exp2(s - m1[:, None])
-            scale = gl.exp2(m - m1)
-            m = m1
-            l = l * scale + gl.sum(p, axis=1)
-            _publish_p(k_e.index(z + 1), p, bars, _P1)  # K1's rope part is dead: p1 goes there
-            o = o * _rows(scale, O_L)
-            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            if more:
-                gl.thread_barrier()
-                _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN, kv_end, 2,
-                           CP_L, PE_L)
-            mbarrier.wait(bars.index(_P0), ph)
+            _publish(xch.slice(BM, BM), m1, k_e.index(z + 1), p, bars, _X1, True)  # K1's rope part: p1 there
+            # o_R = (o_R * e^(m - m0) + p0 V0_R) * e^(m0 - m1) + p1 V1_R: p0 (in m0 units) is there already, so its
+            # product runs while this warpgroup finishes its softmax.
+            o = o * _rows(gl.exp2(m - m0), O_L)
             fence_async_shared()
-            o = warpgroup_mma(k_e.index(z), k_r.index(z), o, is_async=True)
+            o = warpgroup_mma(k_e.index(z), k_r.index(z), o, is_async=True)  # p0 . V0_R
+            l = l * gl.exp2(m - m1) + gl.sum(p, axis=1)
+            m = m1
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # the last use of K0's right half and of p0 (its rope buffer)
                 gl.thread_barrier()
                 _load_part(k_r.index(z), k_e.index(z), bars.index(_K0RE), cache, bt_row, start + BN, kv_end, 1,
                            CP_L, PE_L)
+            o = o * _rows(gl.exp2(m0 - m1), O_L)
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            if more:
+                gl.thread_barrier()
+                _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
+                           kv_end, 2, CP_L, PE_L)
     _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
 
 
