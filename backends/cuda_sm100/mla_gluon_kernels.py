@@ -50,6 +50,26 @@ def _gdc_enter(PDL: gl.constexpr):
 
 
 @gluon.jit
+def _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM: gl.constexpr):
+    """This program's work item and row tile: (first row, sequence, first key, key end, partial slot, first query
+    token, queries, sequence length). Causal: no key past the tile's last query (row0 + BM - 1, or the sequence's
+    last); padding items and tiles without query rows get no keys."""
+    item = gl.program_id(0) // row_tiles
+    row0 = (gl.program_id(0) % row_tiles) * BM
+    seq = gl.load(items_ptr + item * 4)
+    kv_lo = gl.load(items_ptr + item * 4 + 1)
+    kv_hi = gl.load(items_ptr + item * 4 + 2)
+    slot = gl.load(items_ptr + item * 4 + 3)
+    tok0 = gl.load(meta_ptr + seq)
+    qlen = gl.load(meta_ptr + meta_stride + seq)
+    slen = gl.load(meta_ptr + 2 * meta_stride + seq)
+    last_j = gl.minimum((row0 + BM - 1) // H, qlen - 1)
+    kv_end = gl.minimum(kv_hi, slen - qlen + last_j + 1)
+    kv_end = gl.where((slot >= -1) & (row0 // H < qlen), kv_end, kv_lo)
+    return row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen
+
+
+@gluon.jit
 def _block_of(bt_row, start, kv_end, BS):
     """The cache block of the (block-aligned) key tile starting at `start`; 0 past kv_end (never read)."""
     return gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
@@ -137,19 +157,7 @@ def mla_attn_gluon_kernel(
     P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
 
     _gdc_enter(PDL)
-    item = gl.program_id(0) // row_tiles
-    row0 = (gl.program_id(0) % row_tiles) * BM
-    seq = gl.load(items_ptr + item * 4)
-    kv_lo = gl.load(items_ptr + item * 4 + 1)
-    kv_hi = gl.load(items_ptr + item * 4 + 2)
-    slot = gl.load(items_ptr + item * 4 + 3)
-    tok0 = gl.load(meta_ptr + seq)
-    qlen = gl.load(meta_ptr + meta_stride + seq)
-    slen = gl.load(meta_ptr + 2 * meta_stride + seq)
-    # Causal: no key past the tile's last query (row0 + BM - 1, or the last query of the sequence).
-    last_j = gl.minimum((row0 + BM - 1) // H, qlen - 1)
-    kv_end = gl.minimum(kv_hi, slen - qlen + last_j + 1)
-    kv_end = gl.where((slot >= -1) & (row0 // H < qlen), kv_end, kv_lo)  # padding, or no query rows: no keys
+    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
 

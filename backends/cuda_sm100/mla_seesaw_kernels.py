@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter, _work_item
 
 _LN2 = gl.constexpr(0.6931471805599453)
 
@@ -283,19 +283,7 @@ def mla_seesaw_kernel(
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
 
     _gdc_enter(PDL)
-    item = gl.program_id(0) // row_tiles
-    row0 = (gl.program_id(0) % row_tiles) * BM
-    seq = gl.load(items_ptr + item * 4)
-    kv_lo = gl.load(items_ptr + item * 4 + 1)
-    kv_hi = gl.load(items_ptr + item * 4 + 2)
-    slot = gl.load(items_ptr + item * 4 + 3)
-    tok0 = gl.load(meta_ptr + seq)
-    qlen = gl.load(meta_ptr + meta_stride + seq)
-    slen = gl.load(meta_ptr + 2 * meta_stride + seq)
-    # Causal: no key past the tile's last query (row0 + BM - 1, or the last query of the sequence).
-    last_j = gl.minimum((row0 + BM - 1) // H, qlen - 1)
-    kv_end = gl.minimum(kv_hi, slen - qlen + last_j + 1)
-    kv_end = gl.where((slot >= -1) & (row0 // H < qlen), kv_end, kv_lo)  # padding, or no query rows: no keys
+    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_pairs = gl.cdiv(gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN), 2)  # an odd last block pairs with a masked one
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
 
