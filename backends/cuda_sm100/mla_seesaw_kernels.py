@@ -21,10 +21,10 @@ with one running max m shared between them (a pair: m -> m0 -> m1):
 so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. It is FlashAttention's online
 softmax, reordered: the same sums in a different association.
 
-Memory: queries [64, 576] and two key blocks fill 216 KiB, so the probabilities a warpgroup hands over go into
-the block's rope buffer (its last 64 channels), dead once that block's scores are done. Each part of a block is
-reloaded (cp.async, completion signalled on an mbarrier) by the warpgroup that uses it last, right after that
-use. With only two blocks' room, a pair's reloads are waited on by the next pair's scores, so each warpgroup
+Memory: queries [64, 576] and two key blocks fill 216 KiB; the 8 KiB left hold p1, and p0 goes into block 0's
+rope buffer (its last 64 channels), dead once block 0's scores are done. Each part of a block (left half, right
+half, rope keys) is reloaded (cp.async, completion signalled on an mbarrier) by the warpgroup that uses it last,
+right after that use, and the scores take the parts in the order they are freed. With only two blocks' room, a pair's reloads are waited on by the next pair's scores, so each warpgroup
 first asks L2 for its next block (one bulk prefetch a pair ahead): the reload then waits on L2, not HBM (8-9%
 faster at 128 heads on the H200, benchmarks/RESULTS.md).
 
@@ -54,11 +54,11 @@ BN = gl.constexpr(64)  # keys a block (the cache's block size)
 NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
 WORKER_REGS = gl.constexpr(240)
 MAXNREG = 240
-SMEM_BYTES = 222556  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
+SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
 
 # mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup). Exchanges: one.
-_Q, _K0L, _K0RE, _K1R, _K1LE, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(9))
-_NBARS = gl.constexpr(9)
+_Q, _K0L, _K0RE, _K1R, _K1L, _K1E, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(10))
+_NBARS = gl.constexpr(10)
 _HALF = gl.constexpr(256)
 
 
@@ -78,15 +78,15 @@ def _key_rows(bt_row, start, kv_end, BS, sb, st, L: gl.constexpr):
 
 
 @gluon.jit
-def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, PART: gl.constexpr, L: gl.constexpr,
-               PL: gl.constexpr):
-    """Copy one part of the key block at `start` and signal `bar` when this thread's copies land.
-    PART 0: left half; 1: right half + rope; 2: right half; 3: left half + rope (dst_b: the rope buffer)."""
+def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constexpr, ROPE: gl.constexpr,
+               L: gl.constexpr, PL: gl.constexpr):
+    """Copy one part of the key block at `start` and signal `bar` when this thread's copies land: latent half
+    HALF (0 left, 1 right, -1 none) into dst_a, and with ROPE the rope keys into dst_b."""
     lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
-    rows, ok = _key_rows(bt_row, start, kv_end, BS, lat_sb, lat_st, L)
-    col0 = 0 if (PART == 0 or PART == 3) else _HALF
-    _copy_rows(dst_a, lat_ptr, rows, col0, ok, _HALF, L)
-    if PART == 1 or PART == 3:
+    if HALF >= 0:
+        rows, ok = _key_rows(bt_row, start, kv_end, BS, lat_sb, lat_st, L)
+        _copy_rows(dst_a, lat_ptr, rows, HALF * _HALF, ok, _HALF, L)
+    if ROPE:
         prow, pok = _key_rows(bt_row, start, kv_end, BS, rope_sb, rope_st, PL)
         _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
     async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -108,14 +108,16 @@ def _prefetch_block(cache, bt_row, start, kv_end):
 
 
 @gluon.jit
-def _scores(a0, b0, a1, b1, a2, b2, bars, bar_a, bar_b, ph, zero):
-    """q K^T for one key block: the half whose copy lands first, then the other half and the rope part."""
-    mbarrier.wait(bars.index(bar_a), ph)
+def _scores(a0, b0, bar0, a1, b1, bar1, a2, b2, bar2, bars, ph, zero):
+    """q K^T for one key block, part by part in the order their copies land (each part waits on its barrier)."""
+    mbarrier.wait(bars.index(bar0), ph)
     fence_async_shared()  # cp.async writes are generic-proxy: order them before the wgmma's reads
     s = warpgroup_mma(a0, b0.permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(bars.index(bar_b), ph)
+    mbarrier.wait(bars.index(bar1), ph)
     fence_async_shared()
     s = warpgroup_mma(a1, b1.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(bars.index(bar2), ph)
+    fence_async_shared()
     s = warpgroup_mma(a2, b2.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
@@ -148,7 +150,7 @@ def _rows(x, L: gl.constexpr):
 def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S_L: gl.constexpr):
     """Add the other warpgroup's row sums, normalise this warpgroup's 256 columns and store them (the direct output
     or a float32 partial); warpgroup 0 stores the log-sum-exp."""
-    q_l, q_r, q_e, k_l, k_r, k_e, xch = smem
+    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch = smem
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot = out_args
     _publish(xch.slice((2 + W) * BM, BM), l, xch, l, bars, _L0 + W, False)
     mbarrier.wait(bars.index(_L1 - W), 0)
@@ -181,7 +183,7 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
 @gluon.jit
 def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, W: gl.constexpr):
     """Warpgroup W's side of the seesaw (W 0: left columns, even blocks; W 1: right columns, odd blocks)."""
-    q_l, q_r, q_e, k_l, k_r, k_e, xch = smem
+    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch = smem
     row0, H, qlen, slen, slot = pos_args
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -208,7 +210,7 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
         qe = q_e.index(z)
         _prefetch_block(cache, bt_row, start + 2 * BN, kv_end)  # this warpgroup's block of the next pair
         if W == 0:
-            s = _scores(ql, k_l.index(z), qr, k_r.index(z), qe, k_e.index(z), bars, _K0L, _K0RE, ph, zero)
+            s = _scores(ql, k_l.index(z), _K0L, qr, k_r.index(z), _K0RE, qe, k_e.index(z), _K0RE, bars, ph, zero)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             m0 = gl.maximum(m, gl.max(s, axis=1))
             p = gl.exp2(s - m0[:, None])
@@ -221,28 +223,33 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             if more:  # K0's left half is done with: the next pair's, in flight from now
                 gl.thread_barrier()
                 _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
-                           CP_L, PE_L)
+                           False, CP_L, PE_L)
             mbarrier.wait(bars.index(_X1), ph)
             m = xch.slice(BM, BM).load(gl.SliceLayout(1, S_L))
             scale = gl.exp2(m0 - m)
             l = l * scale
             o = o * _rows(scale, O_L)
             fence_async_shared()
-            o = warpgroup_mma(k_e.index(z + 1), k_l.index(z + 1), o, is_async=True)  # p1 . V1_L
+            o = warpgroup_mma(p1_buf, k_l.index(z + 1), o, is_async=True)  # p1 . V1_L
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            if more:  # the last use of K1's left half and of p1 (its rope buffer)
+            if more:  # the last use of K1's left half
                 gl.thread_barrier()
-                _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1LE), cache, bt_row, start + 3 * BN,
-                           kv_end, 3, CP_L, PE_L)
+                _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1L), cache, bt_row, start + 3 * BN,
+                           kv_end, 0, False, CP_L, PE_L)
         else:
-            s = _scores(qr, k_r.index(z + 1), ql, k_l.index(z + 1), qe, k_e.index(z + 1), bars, _K1R, _K1LE, ph, zero)
+            s = _scores(qe, k_e.index(z + 1), _K1E, qr, k_r.index(z + 1), _K1R, ql, k_l.index(z + 1), _K1L, bars, ph,
+                        zero)
+            if more:  # K1's rope keys are done with (p1 has a buffer of its own): the next pair's, from now
+                gl.thread_barrier()
+                _load_part(k_e.index(z + 1), k_e.index(z + 1), bars.index(_K1E), cache, bt_row, start + 2 * BN,
+                           kv_end, -1, True, CP_L, PE_L)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             mp = gl.max(s, axis=1)
             mbarrier.wait(bars.index(_X0), ph)
             m0 = xch.slice(0, BM).load(gl.SliceLayout(1, S_L))
             m1 = gl.maximum(m0, mp)
             p = gl.exp2(s - m1[:, None])
-            _publish(xch.slice(BM, BM), m1, k_e.index(z + 1), p, bars, _X1, True)  # K1's rope part: p1 there
+            _publish(xch.slice(BM, BM), m1, p1_buf, p, bars, _X1, True)
             # o_R = (o_R * e^(m - m0) + p0 V0_R) * e^(m0 - m1) + p1 V1_R: p0 (in m0 units) is there already, so its
             # product runs while this warpgroup finishes its softmax.
             o = o * _rows(gl.exp2(m - m0), O_L)
@@ -254,14 +261,14 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             if more:  # the last use of K0's right half and of p0 (its rope buffer)
                 gl.thread_barrier()
                 _load_part(k_r.index(z), k_e.index(z), bars.index(_K0RE), cache, bt_row, start + BN, kv_end, 1,
-                           CP_L, PE_L)
+                           True, CP_L, PE_L)
             o = o * _rows(gl.exp2(m0 - m1), O_L)
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:
                 gl.thread_barrier()
                 _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
-                           kv_end, 2, CP_L, PE_L)
+                           kv_end, 1, False, CP_L, PE_L)
     _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
 
 
@@ -292,11 +299,12 @@ def mla_seesaw_kernel(
     q_e = gl.allocate_shared_memory(gl.bfloat16, [1, BM, P], PE_S)
     k_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
     k_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
-    k_e = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)  # rope keys, then the block's probabilities
+    k_e = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)  # rope keys; block 0's then holds p0
+    p1_buf = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], PE_S)
     xch = gl.allocate_shared_memory(gl.float32, [4 * BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # m0, m1, l0, l1
     bars = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(_NBARS):
-        mbarrier.init(bars.index(b), count=128 if b <= _K1LE else 1)
+        mbarrier.init(bars.index(b), count=128 if b <= _K1E else 1)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -312,12 +320,16 @@ def mla_seesaw_kernel(
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
     cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
     if n_pairs > 0:
-        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, CP_L, PE_L)
-        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, CP_L, PE_L)
-        _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 2, CP_L, PE_L)
-        _load_part(k_l.index(1), k_e.index(1), bars.index(_K1LE), cache, bt_row, kv_lo + BN, kv_end, 3, CP_L, PE_L)
+        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L)
+        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L)
+        _load_part(k_e.index(1), k_e.index(1), bars.index(_K1E), cache, bt_row, kv_lo + BN, kv_end, -1, True, CP_L,
+                   PE_L)
+        _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 1, False, CP_L,
+                   PE_L)
+        _load_part(k_l.index(1), k_e.index(1), bars.index(_K1L), cache, bt_row, kv_lo + BN, kv_end, 0, False, CP_L,
+                   PE_L)
 
-    smem = (q_l, q_r, q_e, k_l, k_r, k_e, xch)
+    smem = (q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch)
     pos_args = (row0, H, qlen, slen, slot)
     out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot)
     gl.warp_specialize([
