@@ -24,9 +24,10 @@ softmax, reordered: the same sums in a different association.
 Memory: queries [64, 576] and two key blocks fill 216 KiB; the 8 KiB left hold p1, and p0 goes into block 0's
 rope buffer (its last 64 channels), dead once block 0's scores are done. Each part of a block (left half, right
 half, rope keys) is reloaded (cp.async, completion signalled on an mbarrier) by the warpgroup that uses it last,
-right after that use, and the scores take the parts in the order they are freed. With only two blocks' room, a pair's reloads are waited on by the next pair's scores, so each warpgroup
-first asks L2 for its next block (one bulk prefetch a pair ahead): the reload then waits on L2, not HBM (8-9%
-faster at 128 heads on the H200, benchmarks/RESULTS.md).
+right after that use, and the scores take the parts in the order they are freed. With only two blocks' room, a
+pair's reloads are waited on by the next pair's scores, so each warpgroup first asks L2 for its next block (one
+bulk prefetch a pair ahead): the reload then waits on L2, not HBM (8-9% faster at 128 heads on the H200,
+benchmarks/RESULTS.md). The prefetch is a hint: it assumes the bf16 cache's contiguous 576-value rows.
 
 Same contract as mla_attn_kernel / mla_attn_gluon_kernel (work items, rows = query x head, causal positions,
 direct or partial outputs with log-sum-exp), for what mla_launch.seesaw_usable checks: bf16 queries and cache,
@@ -54,7 +55,7 @@ BN = gl.constexpr(64)  # keys a block (the cache's block size)
 NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
 WORKER_REGS = gl.constexpr(240)
 MAXNREG = 240
-SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, the exchange rows, the barriers, scratch
+SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange rows, the barriers, scratch
 
 # mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup). Exchanges: one.
 _Q, _K0L, _K0RE, _K1R, _K1L, _K1E, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(10))

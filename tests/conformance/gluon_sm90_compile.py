@@ -18,7 +18,6 @@ from triton_sm90_report import compile_sm90, resource_usage  # noqa: E402
 
 
 def mla_args(fp8: bool) -> dict:
-
     if fp8:  # DeepSeek's 656-byte rows through the fp8 / fp32 / bf16 views, strides in elements
         views = dict(lat_ptr="*fp8e4nv", scl_ptr="*fp32", rope_ptr="*bf16", lat_sb=64 * 656, lat_st=656,
                      scl_sb=64 * 164, scl_st=164, rope_sb=64 * 328, rope_st=328, scale_off=128, rope_off=264)

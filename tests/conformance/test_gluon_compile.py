@@ -1,5 +1,6 @@
-"""The Gluon kernels (MLA decode: lockstep and seesaw; warp-specialised FP8 GEMM) compiled for sm_90 on any machine (Triton ships
-ptxas): they still build, and their shared memory is what the host's capacity checks (`SMEM_BYTES`) assume.
+"""The Gluon kernels (MLA decode: lockstep and seesaw; warp-specialised FP8 GEMM) compiled for sm_90 on any machine
+(Triton ships ptxas): they still build, and their shared memory is what the host's capacity checks (`SMEM_BYTES`)
+assume.
 The GPU tests run them; this keeps a compile break or a shared-memory change from first showing up on a GPU.
 
 The compiles run in one child process (gluon_sm90_compile.py) with the Triton interpreter off and an empty
@@ -51,7 +52,7 @@ def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled):
     ptx = case["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
-    assert "cp.async.mbarrier.arrive.noinc" in ptx and "griddepcontrol.wait" in ptx
+    assert "stmatrix" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx and "griddepcontrol.wait" in ptx
 
 
 @pytest.mark.parametrize("layout", [0, 1])
