@@ -238,7 +238,9 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                 _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1L), cache, bt_row, start + 3 * BN,
                            kv_end, 0, False, CP_L, PE_L)
         else:
-            s = _scores(qe, k_e.index(z + 1), _K1E, qr, k_r.index(z + 1), _K1R, ql, k_l.index(z + 1), _K1L, bars, ph,
+            # Parts in the order they were freed: rope keys (after these scores), the left half (after warpgroup
+            # 0's last product), the right half (after this warpgroup's own last product).
+            s = _scores(qe, k_e.index(z + 1), _K1E, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph,
                         zero)
             if more:  # K1's rope keys are done with (p1 has a buffer of its own): the next pair's, from now
                 gl.thread_barrier()
