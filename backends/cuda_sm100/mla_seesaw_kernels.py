@@ -53,7 +53,7 @@ P = gl.constexpr(64)  # rope width
 BM = gl.constexpr(64)  # query rows a program (one wgmma M)
 BN = gl.constexpr(64)  # keys a block (the cache's block size)
 NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
-WORKER_REGS = gl.constexpr(240)
+WORKER_REGS = gl.constexpr(240)  # each warpgroup's registers: the worker's setmaxnreg and the launch's maxnreg
 MAXNREG = 240
 SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange rows, the barriers, scratch
 
@@ -61,6 +61,9 @@ SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange 
 _Q, _K0L, _K0RE, _K1R, _K1L, _K1E, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(10))
 _NBARS = gl.constexpr(10)
 _HALF = gl.constexpr(256)
+# One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, contiguous in the bf16 cache.
+_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
+                             f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 576 * 2}; mov.b32 $0, 0; }}")
 
 
 @gluon.jit
@@ -103,9 +106,7 @@ def _prefetch_block(cache, bt_row, start, kv_end):
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
         lane = gl.arange(0, 128, layout=ONE)
         ptr = lat_ptr + blk * lat_sb + (start % BS) * lat_st + lane * 0
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.eq.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 73728; mov.b32 $0, 0; }",
-            "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -144,6 +145,7 @@ def _publish(rows_buf, x, p_buf, p, bars, bar, P_TOO: gl.constexpr):
 
 @gluon.jit
 def _rows(x, L: gl.constexpr):
+    """A row vector as a column broadcastable over layout L's tiles."""
     return gl.convert_layout(x, gl.SliceLayout(1, L))[:, None]
 
 
