@@ -138,8 +138,8 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
     SM, narrower otherwise; at most 8192 partial values in flight (64 registers a thread). H200, 64 x 4096 keys
     x 128 heads, 4 splits: one head x 128 columns x 16 split slots a program took 0.11 ms, a third of the
     attention step (benchmarks/RESULTS.md, issue 8)."""
-    st = min(64, 1 << max(max_splits - 1, 0).bit_length())
-    hb, dc = 8, 1 << (rank - 1).bit_length()
+    st = min(64, next_pow2(max_splits))
+    hb, dc = 8, next_pow2(rank)
 
     def too_big() -> bool:
         return st * hb * dc > 8192 or num_tokens * cdiv(heads, hb) * cdiv(rank, dc) < 2 * sms
@@ -183,6 +183,7 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> boo
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     """Whether a bf16 cache's 64-row tiles run on mla_seesaw_kernels (two warpgroups, FlashMLA's schedule) rather
-    than mla_gluon_kernels' lockstep warpgroups. DEEPINFER_MLA_SEESAW=0 keeps the lockstep kernel (A/B runs)."""
+    than mla_gluon_kernels' lockstep warpgroups (tiles aligned to cache blocks, as launch_gluon's caller makes
+    them). DEEPINFER_MLA_SEESAW=0 keeps the lockstep kernel (A/B runs)."""
     return (os.environ.get("DEEPINFER_MLA_SEESAW", "1") != "0" and spec.dtype == "bf16"
-            and spec.block_size % 64 == 0 and gluon_gate.runs_on(device, "mla_seesaw_kernels"))
+            and gluon_gate.runs_on(device, "mla_seesaw_kernels"))
