@@ -47,18 +47,19 @@ def fp8_ws_usable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
 
 
 def choose_consumers(m: int, n: int, k: int, sms: int) -> int:
-    """Consumer warpgroups a CTA (tile height 64 x that): the larger last-wave fill, weighted by speed.
+    """Consumer warpgroups a CTA (tile height 64 x that): the larger last-wave fill, three weighted by speed.
 
-    Three (192-row tiles, one K block a wait) and two (128-row tiles, two K blocks a wait: their registers
-    hold two partials) ran at the same steady rate on long K; below K = 4096 three were 7-15% faster (fewer,
-    taller tiles amortise each tile's start and epilogue). H200, M in (1024, 4096), ANCHORS.md's shapes: this
-    rule picked the faster of the two on all 12.
+    Three consumers take 192-row tiles and wait once per K block; two take 128-row tiles and wait once per two
+    (their registers hold two partials). Since the producer stages the scales, three beat two on most of
+    ANCHORS.md's shapes at M = 1024-4096 on the H200, by up to 21%; two led by 3-4% on two shapes at M = 1024
+    (benchmarks/RESULTS.md, issue 9, fifteenth session). So three get a 1.1 weight at every K (before: below
+    K = 4096 only).
     """
     def fill(rows: int) -> float:
         tiles = quant.cdiv(m, rows) * quant.cdiv(n, 128)
         return tiles / (quant.cdiv(tiles, sms) * sms)
 
-    return 3 if fill(192) * (1.1 if k < 4096 else 1.0) > fill(128) else 2
+    return 3 if fill(192) * 1.1 > fill(128) else 2
 
 
 @functools.cache

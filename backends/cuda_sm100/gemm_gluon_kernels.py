@@ -6,9 +6,10 @@ so the tensor cores idle during every promotion; three small CTAs per SM hide pa
 row-wise FP8 at M=4096, benchmarks/RESULTS.md, issue 9). Here, as in DeepGEMM, one persistent CTA per SM has
 
 - a one-warp producer that TMA-copies each tile's A rows (one 64-row piece per consumer) and B [128, 128] E4M3
-  into rings of STAGES buffers, signalled by mbarriers (ready: bytes landed; empty: every consumer is done);
+  into rings of STAGES buffers, with each K block's scales (cp.async), signalled by mbarriers (ready: bytes
+  landed; empty: every consumer is done);
 - two or three consumer warpgroups, each owning 64 of the tile's rows: wgmma K blocks into partial
-  accumulators, release the buffers, promote. They run unsynchronised, so one's promotion overlaps the others'
+  accumulators, read the block's scales, release the buffers, promote. They run unsynchronised, so one's promotion overlaps the others'
   MMAs. Registers decide the shape: two consumers (240 registers each) hold two partials and wait once per
   two K blocks; three (160 each) hold one and wait once per block. A consumer with none of a tile's rows
   (a group's or the matrix's last tile) skips its MMAs;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -40,8 +42,9 @@ NUM_WARPS = 4  # the default partition (consumer 0); the other consumers and the
 PRODUCER_REGS = gl.constexpr(24)
 GROUP_M = 8  # row tiles that walk the N tiles together
 # consumers -> (ring stages, registers of each consumer, maxnreg the launch asks for so the partitions get them,
-# shared memory of the sm_90 compile: rings, output tiles, barriers)
-CONFIGS = {2: (6, 240, 168, 229688), 3: (4, 160, 128, 213292)}
+# shared memory of the sm_90 compile: rings, scale rings, output tiles, barriers). Two consumers had 6 stages until
+# the scale rings took the room (4 to 6 measured within 1-2% of each other, RESULTS.md issue 9).
+CONFIGS = {2: (5, 240, 168, 200800), 3: (4, 160, 128, 217452)}
 SMEM_BYTES = max(c[3] for c in CONFIGS.values())
 
 
@@ -59,11 +62,20 @@ def _tile(tile, shape, GROUP_M: gl.constexpr, BM: gl.constexpr, LAYOUT: gl.const
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a0, a1, a2, ring, shape, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-              LAYOUT: gl.constexpr):
-    """A tile is CONSUMERS 64-row pieces, one ring per consumer (a2 unused with two)."""
-    b_bufs, ready, empty = ring
+def _producer(a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M: gl.constexpr,
+              CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr):
+    """A tile is CONSUMERS 64-row pieces, one ring per consumer (a2, sa2 unused with two), each K block's with its
+    a_scale rows (sa rings) and its b_scale (sb ring, copied to all 64 columns).
+
+    The scales go by cp.async, each lane's copies arriving on the block's ready barrier when they land (the
+    barrier counts the producer's expect and its 32 lanes). Consumers loading them themselves stalled their
+    wgmma issue: a warpgroup's wgmma fence waits for its loads in flight (ncu on the H200, RESULTS.md issue 9).
+    """
+    b_bufs, ready, empty, sb = ring
+    as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg, stride_bsn, stride_bsk = scales
     M, N, K, m_tiles, tmap_ptr = shape
+    CP: gl.constexpr = gl.BlockedLayout([HALF // 32], [32], [1], [0])
+    r = gl.arange(0, HALF, layout=CP)
     BM: gl.constexpr = CONSUMERS * HALF
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     k_iters = gl.cdiv(K, BK)
@@ -73,6 +85,7 @@ def _producer(a_desc, b_desc, a0, a1, a2, ring, shape, GROUP_M: gl.constexpr, CO
         g, row0, row_end, pid_n = _tile(tile, shape, GROUP_M, BM, LAYOUT)
         if row0 < row_end:
             b_row = g * N + pid_n * BN  # B viewed as [groups * N, K]
+            sb_ptrs = bs_ptr + g * stride_bsg + pid_n * stride_bsn + r * 0
             for kk in range(k_iters):
                 s = i % STAGES
                 # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
@@ -83,7 +96,21 @@ def _producer(a_desc, b_desc, a0, a1, a2, ring, shape, GROUP_M: gl.constexpr, CO
                 if CONSUMERS == 3:
                     tma.async_copy_global_to_shared(a_desc, [row0 + 2 * HALF, kk * BK], ready.index(s), a2.index(s))
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * BK], ready.index(s), b_bufs.index(s))
+                # Rows past the end (the matrix's or the group's) take the last row's scales: not stored.
+                _copy_a_scales(sa0, s, as_ptr, row0, row_end, r, kk, stride_asm, stride_ask)
+                _copy_a_scales(sa1, s, as_ptr, row0 + HALF, row_end, r, kk, stride_asm, stride_ask)
+                if CONSUMERS == 3:
+                    _copy_a_scales(sa2, s, as_ptr, row0 + 2 * HALF, row_end, r, kk, stride_asm, stride_ask)
+                async_copy.async_copy_global_to_shared(sb.index(s), sb_ptrs + kk * stride_bsk)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
                 i += 1
+
+
+@gluon.jit
+def _copy_a_scales(sa, s, as_ptr, row0, row_end, r, kk, stride_asm, stride_ask):
+    """cp.async K block kk's a_scale of rows row0 + r (clamped to the last real row) into slot s of ring sa."""
+    rows = gl.minimum(row0 + r, row_end - 1)
+    async_copy.async_copy_global_to_shared(sa.index(s), as_ptr + rows * stride_asm + kk * stride_ask)
 
 
 @gluon.jit
@@ -95,12 +122,11 @@ def _start_mma(a_bufs, b_bufs, ready, i, part):
 
 
 @gluon.jit
-def _k_scale(sa_ptrs, sb_ptr, kb, k_iters, scales):
-    """a_scale x b_scale of K block min(kb, last) for this warpgroup's 64 rows (issued ahead of their use: an L2
-    hit can outlast an MMA)."""
-    as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg, stride_bsn, stride_bsk = scales
-    kb = gl.minimum(kb, k_iters - 1)
-    return gl.load(sa_ptrs + kb * stride_ask) * gl.load(sb_ptr + kb * stride_bsk)
+def _k_scale(sa, sb, i, ROW: gl.constexpr):
+    """a_scale x b_scale of ring slot i's K block for this warpgroup's 64 rows, from shared memory (the producer's
+    copies, landed with the slot's tiles)."""
+    s = i % sa.type.shape[0]
+    return sa.index(s).load(ROW) * sb.index(s).load(ROW)
 
 
 @gluon.jit
@@ -124,22 +150,21 @@ def _store(acc, out, row0, row_end, col0, N, W: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, ring, scales, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr,
+def _consumer(a_bufs, sa, ring, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr,
               W: gl.constexpr):
-    """Warpgroup W's 64 rows (its own ring a_bufs of A pieces) of every tile this CTA takes.
+    """Warpgroup W's 64 rows (its own rings a_bufs of A pieces and sa of their scales) of every tile this CTA takes.
 
     Two consumers: two K blocks a wait (both MMAs, into two partials, back to back; then both promote). Three: one
     (their registers hold one partial).
     """
-    b_bufs, ready, empty = ring
-    as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg, stride_bsn, stride_bsk = scales
+    b_bufs, ready, empty, sb = ring
     M, N, K, m_tiles, tmap_ptr = shape
     BM: gl.constexpr = CONSUMERS * HALF
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     PAIRS: gl.constexpr = CONSUMERS == 2
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    ROW: gl.constexpr = gl.SliceLayout(1, L)
     k_iters = gl.cdiv(K, BK)
-    r = gl.arange(0, HALF, layout=gl.SliceLayout(1, L))
     # Partials are dead once promoted: their registers take the next MMAs (use_acc=False), so the loop carries
     # them and no register moves are needed.
     p0 = gl.zeros([HALF, BN], gl.float32, L)
@@ -156,41 +181,33 @@ def _consumer(a_bufs, ring, scales, out, shape, GROUP_M: gl.constexpr, CONSUMERS
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
                 i += 1
         elif row0 < row_end:
-            # Column-major scales (stride_asm 1, as quantize_fp8 writes them) make a K block's 64 loads contiguous.
-            # Rows past the end read the last row (their results are not stored).
-            sa_ptrs = as_ptr + gl.minimum(row0 + r, row_end - 1) * stride_asm
-            sb_ptr = bs_ptr + g * stride_bsg + pid_n * stride_bsn
             acc = gl.zeros([HALF, BN], gl.float32, L)
-            s0 = _k_scale(sa_ptrs, sb_ptr, 0, k_iters, scales)
             if PAIRS:
-                s1 = _k_scale(sa_ptrs, sb_ptr, 1, k_iters, scales)
                 for kk in range(0, k_iters - 1, 2):
-                    s0_next = _k_scale(sa_ptrs, sb_ptr, kk + 2, k_iters, scales)
-                    s1_next = _k_scale(sa_ptrs, sb_ptr, kk + 3, k_iters, scales)
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     t1 = _start_mma(a_bufs, b_bufs, ready, i + 1, p1)
                     p0, p1 = warpgroup_mma_wait(0, deps=[t0, t1])
+                    s0 = _k_scale(sa, sb, i, ROW)  # read before the slots are released
+                    s1 = _k_scale(sa, sb, i + 1, ROW)
                     mbarrier.arrive(empty.index(i % STAGES), count=1)
                     mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
                     acc += p0 * s0[:, None]
                     acc += p1 * s1[:, None]
-                    s0 = s0_next
-                    s1 = s1_next
                     i += 2
-                if k_iters % 2 == 1:  # the last block alone; s0 holds its scale
+                if k_iters % 2 == 1:  # the last block alone
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     p0 = warpgroup_mma_wait(0, deps=[t0])
+                    s0 = _k_scale(sa, sb, i, ROW)
                     mbarrier.arrive(empty.index(i % STAGES), count=1)
                     acc += p0 * s0[:, None]
                     i += 1
             else:
                 for kk in range(k_iters):
-                    s0_next = _k_scale(sa_ptrs, sb_ptr, kk + 1, k_iters, scales)
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     p0 = warpgroup_mma_wait(0, deps=[t0])
+                    s0 = _k_scale(sa, sb, i, ROW)
                     mbarrier.arrive(empty.index(i % STAGES), count=1)
                     acc += p0 * s0[:, None]
-                    s0 = s0_next
                     i += 1
             _store(acc, out, row0, row_end, pid_n * BN, N, W)
     tma.store_wait(0)
@@ -214,27 +231,32 @@ def fp8_gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, as_ptr, stride_
     a1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout)
     a2 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout) if CONSUMERS == 3 else a1
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a slot's (index() drops the ring dimension)
+    sa0 = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], SL)
+    sa1 = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], SL)
+    sa2 = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], SL) if CONSUMERS == 3 else sa1
+    sb = gl.allocate_shared_memory(gl.float32, [STAGES, HALF], SL)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, HALF, BN], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1 + 32)  # the producer's expect, its lanes' scale copies
         mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrive from each consumer warpgroup
     fence_async_shared()
-    ring = (b_bufs, ready, empty)
+    ring = (b_bufs, ready, empty, sb)
     scales = (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg, stride_bsn, stride_bsk)
     out = (c_desc, c_smem, c_ptr, stride_cm)
     shape = (M, N, K, m_tiles, tmap_ptr)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (a0, ring, scales, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
-            (_consumer, (a1, ring, scales, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
-            (_consumer, (a2, ring, scales, out, shape, GROUP_M, CONSUMERS, LAYOUT, 2)),
-            (_producer, (a_desc, b_desc, a0, a1, a2, ring, shape, GROUP_M, CONSUMERS, LAYOUT)),
+            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
+            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
+            (_consumer, (a2, sa2, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 2)),
+            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a0, ring, scales, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
-            (_consumer, (a1, ring, scales, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
-            (_producer, (a_desc, b_desc, a0, a1, a2, ring, shape, GROUP_M, CONSUMERS, LAYOUT)),
+            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
+            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
+            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
