@@ -120,6 +120,43 @@ def _load_scales(scl_ptr, blk, start, kv_end, BS, scl_sb, scl_st, scale_off, SC_
 
 
 @gluon.jit
+def _lse(m, l):
+    """Natural log-sum-exp of rows with running max m (exp2 domain) and sum l; -inf for rows with no key."""
+    has = l > 0.0
+    return gl.where(has, (m + gl.log2(gl.where(has, l, 1.0))) * _LN2, float("-inf"))
+
+
+@gluon.jit
+def _store_rows(o, co, out_args, row0, H, tok0, qlen, slot, O_L: gl.constexpr, R: gl.constexpr):
+    """Store normalised output rows (tile rows row0 + i: query j = row // H, head h = row % H; columns co) to the
+    direct output (bf16, token tok0 + j) when slot == -1, else to the float32 partial rows (slot + j) * H + h.
+    Rows past qlen, and every row when slot < -1 (no output), are skipped."""
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr = out_args
+    ro = row0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, O_L))
+    jo = ro // H
+    ho = ro % H
+    keep = (jo < qlen) & (slot >= -1)
+    if slot == -1:
+        tok = (tok0 + jo).to(gl.int64)
+        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
+    else:
+        prow = (slot + jo).to(gl.int64) * H + ho
+        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
+
+
+@gluon.jit
+def _store_lse(lse, rs, out_args, H, tok0, qlen, slot):
+    """Store the log-sum-exp of tile rows rs where _store_rows stores their outputs."""
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr = out_args
+    jl = rs // H
+    keep_l = (jl < qlen) & (slot >= -1)
+    if slot == -1:
+        gl.store(lse_ptr + (tok0 + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l)
+    else:
+        gl.store(plse_ptr + (slot + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l & (slot >= 0))
+
+
+@gluon.jit
 def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: gl.constexpr):
     """E4M3 tile k8 [BN, R] times its per-token scales [BN, R / 128] -> bf16 tile kb, 128 columns at a time."""
     g_idx = gl.arange(0, R // 128, layout=gl.SliceLayout(0, SC_L))
@@ -245,24 +282,7 @@ def mla_attn_gluon_kernel(
     l_i = gl.sum(l_cols, axis=1)
     has = l_i > 0.0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * _LN2, float("-inf"))
-    # Direct rows go to out/lse of token tok; split rows to the partial buffers at row slot + j.
-    ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    jo = ro // H
-    ho = ro % H
-    keep = (jo < qlen) & (slot >= -1)
     o = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L))[:, None]
-    co = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
-    tok = (tok0 + jo).to(gl.int64)
-    prow = (slot + jo).to(gl.int64) * H + ho
-    if slot == -1:
-        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
-    else:
-        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
-    jl = rs // H
-    keep_l = (jl < qlen) & (slot >= -1)
-    tok_l = (tok0 + jl).to(gl.int64)
-    if slot == -1:
-        gl.store(lse_ptr + tok_l * H + rs % H, lse, mask=keep_l)
-    else:
-        gl.store(plse_ptr + (slot + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l & (slot >= 0))
+    out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
+    _store_rows(o, gl.arange(0, R, layout=gl.SliceLayout(0, O_L)), out_args, row0, H, tok0, qlen, slot, O_L, R)
+    _store_lse(_lse(m_i, l_i), rs, out_args, H, tok0, qlen, slot)

@@ -44,9 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter, _work_item
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter, _lse, _store_lse, _store_rows, _work_item
 
-_LN2 = gl.constexpr(0.6931471805599453)
 
 R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank); each warpgroup owns half of it
 P = gl.constexpr(64)  # rope width
@@ -74,9 +73,8 @@ def _copy_rows(dst, ptr, row_off, col0, rmask, W: gl.constexpr, L: gl.constexpr)
 
 
 @gluon.jit
-def _key_rows(bt_row, start, kv_end, BS, sb, st, L: gl.constexpr):
-    """Element offsets of keys [start, start + 64) (one cache block) and which are real."""
-    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
+def _key_rows(blk, start, kv_end, BS, sb, st, L: gl.constexpr):
+    """Element offsets of keys [start, start + 64) in cache block blk (one cache block) and which are real."""
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     return blk * sb + (start % BS + n).to(gl.int64) * st, start + n < kv_end
 
@@ -87,11 +85,12 @@ def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constex
     """Copy one part of the key block at `start` and signal `bar` when this thread's copies land: latent half
     HALF (0 left, 1 right, -1 none) into dst_a, and with ROPE the rope keys into dst_b."""
     lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
+    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
     if HALF >= 0:
-        rows, ok = _key_rows(bt_row, start, kv_end, BS, lat_sb, lat_st, L)
+        rows, ok = _key_rows(blk, start, kv_end, BS, lat_sb, lat_st, L)
         _copy_rows(dst_a, lat_ptr, rows, HALF * _HALF, ok, _HALF, L)
     if ROPE:
-        prow, pok = _key_rows(bt_row, start, kv_end, BS, rope_sb, rope_st, PL)
+        prow, pok = _key_rows(blk, start, kv_end, BS, rope_sb, rope_st, PL)
         _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
@@ -160,27 +159,11 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
     l = l + xch.slice((3 - W) * BM, BM).load(gl.SliceLayout(1, S_L))
     has = l > 0.0
     inv_l = gl.where(has, 1.0 / gl.where(has, l, 1.0), 0.0)
-    ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, O_L))
-    jo = ro // H
-    ho = ro % H
-    keep = (jo < qlen) & (slot >= -1)
-    o = o * _rows(inv_l, O_L)
+    dst = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
     co = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, O_L))
-    if slot == -1:
-        tok = (tok0 + jo).to(gl.int64)
-        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
-    else:
-        prow = (slot + jo).to(gl.int64) * H + ho
-        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
+    _store_rows(o * _rows(inv_l, O_L), co, dst, row0, H, tok0, qlen, slot, O_L, R)
     if W == 0:
-        lse = gl.where(has, (m + gl.log2(gl.where(has, l, 1.0))) * _LN2, float("-inf"))
-        rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
-        jl = rs // H
-        keep_l = (jl < qlen) & (slot >= -1)
-        if slot == -1:
-            gl.store(lse_ptr + (tok0 + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l)
-        else:
-            gl.store(plse_ptr + (slot + jl).to(gl.int64) * H + rs % H, lse, mask=keep_l & (slot >= 0))
+        _store_lse(_lse(m, l), row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L)), dst, H, tok0, qlen, slot)
 
 
 @gluon.jit
