@@ -9,10 +9,10 @@ row-wise FP8 at M=4096, benchmarks/RESULTS.md, issue 9). Here, as in DeepGEMM, o
   into rings of STAGES buffers, with each K block's scales (cp.async), signalled by mbarriers (ready: bytes
   landed; empty: every consumer is done);
 - two or three consumer warpgroups, each owning 64 of the tile's rows: wgmma K blocks into partial
-  accumulators, read the block's scales, release the buffers, promote. They run unsynchronised, so one's promotion overlaps the others'
-  MMAs. Registers decide the shape: two consumers (240 registers each) hold two partials and wait once per
-  two K blocks; three (160 each) hold one and wait once per block. A consumer with none of a tile's rows
-  (a group's or the matrix's last tile) skips its MMAs;
+  accumulators, read the block's scales, release the buffers, promote. They run unsynchronised, so one's
+  promotion overlaps the others' MMAs. Registers decide the shape: two consumers (240 registers each) hold two
+  partials and wait once per two K blocks; three (160 each) hold one and wait once per block. A consumer with
+  none of a tile's rows (a group's or the matrix's last tile) skips its MMAs;
 - the producer running ahead across tile boundaries, so a tile's pipeline fill hides behind the last tile.
 
 Layouts: 0, one matrix (TMA-stored output); 1, contiguous groups (rows sorted by expert, as gemm_kernel's
@@ -64,8 +64,9 @@ def _tile(tile, shape, GROUP_M: gl.constexpr, BM: gl.constexpr, LAYOUT: gl.const
 @gluon.jit
 def _producer(a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M: gl.constexpr,
               CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr):
-    """A tile is CONSUMERS 64-row pieces, one ring per consumer (a2, sa2 unused with two), each K block's with its
-    a_scale rows (sa rings) and its b_scale (sb ring, copied to all 64 columns).
+    """A tile is CONSUMERS 64-row pieces, one ring per consumer (a2, sa2 unused with two). With each K block's
+    pieces go their a_scale rows (the sa rings) and the block's b_scale (the sb ring, copied to all 64 columns so
+    that it reads back in the rows' layout).
 
     The scales go by cp.async, each lane's copies arriving on the block's ready barrier when they land (the
     barrier counts the producer's expect and its 32 lanes). Consumers loading them themselves stalled their
