@@ -107,7 +107,8 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
         bsg = w_scale.stride(0)
     w2 = w.reshape(-1, k)
     G.fp8_gemm_ws_kernel[(min(m_tiles * quant.cdiv(n, bn), sms),)](
-        TensorDescriptor(a, a.shape, a.stride(), [half, bk], al), TensorDescriptor(w2, w2.shape, w2.stride(), [bn, bk], bl),
+        TensorDescriptor(a, a.shape, a.stride(), [half, bk], al),
+        TensorDescriptor(w2, w2.shape, w2.stride(), [bn, bk], bl),
         TensorDescriptor(out, out.shape, out.stride(), [half, bn], cl), out, out.stride(0), a_scale, a_scale.stride(0),
         a_scale.stride(1), w_scale, bsg, w_scale.stride(-2), w_scale.stride(-1), tmap, m, n, k, m_tiles,
         GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs,

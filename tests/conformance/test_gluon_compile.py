@@ -60,7 +60,9 @@ def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled):
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
 def test_gluon_fp8_gemm_compiles_for_sm90_within_its_shared_memory(compiled, consumers, out_dtype, layout):
     """The warp-specialised GEMM (one matrix; contiguous groups): TMA copies, e4m3 wgmma, the register split
-    between its partitions."""
+    between its partitions, and the scales staged by the producer: its lanes' cp.async copies signal the ready
+    barrier, and one matrix's kernel makes no global load at all (a warpgroup's wgmma issue waits for its loads
+    in flight; the grouped layout reads its tile map)."""
     from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels as G
 
     case = compiled[f"gemm-{consumers}-{out_dtype}-{layout}"]
@@ -68,3 +70,6 @@ def test_gluon_fp8_gemm_compiles_for_sm90_within_its_shared_memory(compiled, con
     ptx = case["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx and "cp.async.bulk.tensor.2d" in ptx
     assert f"setmaxnreg.dec.sync.aligned.u32 \t{G.PRODUCER_REGS.value};" in ptx
+    assert "cp.async.mbarrier.arrive.noinc" in ptx
+    if layout == 0:
+        assert "ld.global" not in ptx
