@@ -245,7 +245,8 @@ def tma_usable(k: torch.Tensor, k2: torch.Tensor, v: torch.Tensor, d2: int) -> b
         return False
     if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:
         return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ((k, k2, v) if d2 else (k, v)))
+    read = (k, k2, v) if d2 else (k, v)
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in read)
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
@@ -262,7 +263,8 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     lq, h = q.shape[:2]
     ls, dv = k.shape[0], v.shape[-1]
     # The kernel indexes the head dimension with unit stride; anything else (never MLA's views) is copied.
-    q, k, v, q_rope, k_rope = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, q_rope, k_rope))
+    q, k, v, q_rope, k_rope = (t if t is None or t.stride(-1) == 1 else t.contiguous()
+                               for t in (q, k, v, q_rope, k_rope))
     out = q.new_empty(lq, h, dv)
     lse = torch.empty(lq, h, device=q.device, dtype=torch.float32) if return_lse else out
     if lq == 0:

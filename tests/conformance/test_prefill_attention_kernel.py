@@ -134,7 +134,8 @@ def test_flash_prefill_separate_rope_parts(gen, dn, dr, shared, tma):
     q, qr = _randn(gen, lq, h, dn, dtype=torch.bfloat16), _randn(gen, lq, h, dr, dtype=torch.bfloat16)
     kv = _randn(gen, ls, h, dn + dv, dtype=torch.bfloat16)
     k, v = kv[..., :dn], kv[..., dn:]
-    kr = _randn(gen, ls, 1, dr, dtype=torch.bfloat16).expand(ls, h, dr) if shared else _randn(gen, ls, h, dr, dtype=torch.bfloat16)
+    kr = (_randn(gen, ls, 1, dr, dtype=torch.bfloat16).expand(ls, h, dr) if shared
+          else _randn(gen, ls, h, dr, dtype=torch.bfloat16))
     out, lse = flash_prefill(q, k, v, 0.3, return_lse=True, tma=tma, q_rope=qr, k_rope=kr, **SMALL_TILE)
     want, want_lse = math_attention(torch.cat([q, qr], -1), torch.cat([k, kr], -1), v, 0.3)
     torch.testing.assert_close(out.double().cpu(), want, rtol=3e-2, atol=3e-2)
