@@ -76,13 +76,13 @@ def _block_of(bt_row, start, kv_end, BS):
 
 
 @gluon.jit
-def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, L: gl.constexpr, BM: gl.constexpr,
-                     W: gl.constexpr):
-    """cp.async the tile's query rows (row = query x H + head) of a [T, H, W] tensor into smem [BM, W]; rows
-    past the sequence's queries (or of padding items) are zero-filled."""
+def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, col0, L: gl.constexpr,
+                     BM: gl.constexpr, W: gl.constexpr):
+    """cp.async the tile's query rows (row = query x H + head), W columns from col0, of a [T, H, >= col0 + W] tensor
+    into smem [BM, W]; rows past the sequence's queries (or of padding items) are zero-filled."""
     r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
     tok = (tok0 + r // H).to(gl.int64)
-    c = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    c = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
     async_copy.async_copy_global_to_shared(smem, ptr + (tok * stride_t + (r % H) * stride_h)[:, None] + c[None, :],
                                            mask=((r // H < qlen) & (slot >= -1))[:, None])
 
@@ -212,8 +212,8 @@ def mla_attn_gluon_kernel(
 
     # Queries (one commit group), then key tiles 0 and 1.
     row_args = (row0, H, tok0, qlen, slot)
-    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, *row_args, Q_L, BM, R)
-    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, *row_args, PE_L, BM, P)
+    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, *row_args, 0, Q_L, BM, R)
+    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
     async_copy.commit_group()
     tile_args = (lat_ptr, rope_ptr)
     addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)

@@ -44,7 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _gdc_enter, _lse, _store_lse, _store_rows, _work_item
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
+    _copy_query_rows, _gdc_enter, _lse, _store_lse, _store_rows, _work_item,
+)
 
 
 R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank); each warpgroup owns half of it
@@ -60,6 +62,9 @@ SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange 
 _Q, _K0L, _K0RE, _K1R, _K1L, _K1E, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(10))
 _NBARS = gl.constexpr(10)
 _HALF = gl.constexpr(256)
+# Copy layouts (one warpgroup, 16-byte vectors along a row): latent halves, and rope rows.
+CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 # One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, contiguous in the bf16 cache.
 _PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
                              f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 576 * 2}; mov.b32 $0, 0; }}")
@@ -174,8 +179,6 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    CP_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, S_L))
     pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
@@ -272,8 +275,6 @@ def mla_seesaw_kernel(
     """One program = one work item x 64 query rows, as mla_attn_kernel (see its docstring; same arguments, the
     FP8 scale view unused). The prologue (default partition) copies the queries and the first pair of blocks,
     then the two warpgroups run the seesaw."""
-    CP_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     HALF_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, _HALF], gl.bfloat16)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
 
@@ -296,15 +297,10 @@ def mla_seesaw_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    # Queries: rows past the sequence's queries (or of padding items) are zero-filled.
-    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, CP_L))
-    rok = (r // H < qlen) & (slot >= -1)
-    qrow = (tok0 + r // H).to(gl.int64) * q_st + (r % H) * q_sh
-    _copy_rows(q_l.index(0), q_ptr, qrow, 0, rok, _HALF, CP_L)
-    _copy_rows(q_r.index(0), q_ptr, qrow, _HALF, rok, _HALF, CP_L)
-    re = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PE_L))
-    _copy_rows(q_e.index(0), qpe_ptr, (tok0 + re // H).to(gl.int64) * qpe_st + (re % H) * qpe_sh, 0,
-               (re // H < qlen) & (slot >= -1), P, PE_L)
+    row_args = (row0, H, tok0, qlen, slot)
+    _copy_query_rows(q_l.index(0), q_ptr, q_st, q_sh, *row_args, 0, CP_L, BM, _HALF)
+    _copy_query_rows(q_r.index(0), q_ptr, q_st, q_sh, *row_args, _HALF, CP_L, BM, _HALF)
+    _copy_query_rows(q_e.index(0), qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
     cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
     if n_pairs > 0:
