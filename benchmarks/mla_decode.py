@@ -33,14 +33,16 @@ FLASHMLA_MS = {(64, 4096, 128): 0.124, (128, 4096, 16): 0.156, (16, 32768, 128):
 # split tokens or None for the plan's choice). The default is always measured first and reported as such.
 SWEEP = {  # 16 heads (2026-11-30, H200): one-warpgroup 16-row tiles, FP8 scales folded (1,1), became the defaults past
     # 4096 keys a step; the 8-warp tiles they replaced stay as candidates (and the defaults for one-tile items)
-    ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64), ("", 4096)],
+    ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64), ("", 4096), ("64,64,8,2", None)],
     # 128 heads: split sizes around the split rule's one wave of 64-row programs (2026-11-30 sweep, RESULTS.md)
     ("bf16", 128): [("", None), ("", 256), ("", 512), ("", 1024), ("", 2048), ("", 4096), ("", 8192)],
-    ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None)],
+    ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None),
+                        ("64,64,8,2", None), ("64,64,8,2", 1024), ("64,64,8,2", 4096)],
     ("fp8_e4m3", 128): [("", None), ("", 256), ("", 512), ("", 1024), ("", 2048), ("", 4096), ("", 8192)],
     # 32 rows (32 heads, or 16 heads verifying 2 tokens): 4-warp tiles spill 32-264 bytes in sm_90 compiles
-    ("bf16", 32): [("", None), ("32,32,4,2", None), ("32,64,4,2", None), ("32,64,8,2", None)],
-    ("fp8_e4m3", 32): [("", None), ("32,32,4,2,1,1", None), ("32,16,4,2,1,1", None), ("32,32,8,2,1,1", None)],
+    ("bf16", 32): [("", None), ("32,32,4,2", None), ("32,64,4,2", None), ("32,64,8,2", None), ("64,64,8,2", None)],
+    ("fp8_e4m3", 32): [("", None), ("32,32,4,2,1,1", None), ("32,16,4,2,1,1", None), ("32,32,8,2,1,1", None),
+                        ("64,64,8,2", None), ("64,64,8,2", 512), ("64,64,8,2", 2048), ("64,64,8,2", 8192)],
 }
 RANK, ROPE, BS = 512, 64, 64
 

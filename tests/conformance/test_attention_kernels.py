@@ -6,6 +6,8 @@ Under the Triton interpreter (no GPU) the shapes are tiny; on a GPU the same tes
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -102,8 +104,9 @@ def test_split_kv_combine_matches_reference(kern, ref, gen, kv_dtype, heads):
 @pytest.mark.parametrize("heads", [16, 32])
 @pytest.mark.parametrize("seq_lens", [(1, 300, 2000, 5000), (1, 64, 900, 2000)])
 def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, heads, seq_lens):
-    """Decode with 16 / 32 heads as the engine runs it: past TINY_STEP_KEYS keys (one-warpgroup tiles, FP8
-    scales folded into scores and probabilities) and within it (64-key items of one tile, 8 warps)."""
+    """Decode with 16 / 32 heads as the engine runs it: past TINY_STEP_KEYS keys (16 heads: one-warpgroup tiles,
+    FP8 scales folded into scores and probabilities) and within it (64-key items of one tile, 8 warps); 32 heads
+    on Hopper take the Gluon kernels' 64-row tiles."""
     from deepinfer.backends.cuda_sm100.attention import TINY_STEP_KEYS
 
     nb, tables = tables_for(seq_lens, 64, gen)
@@ -118,14 +121,15 @@ def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, head
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("kv_dtype,seesaw", [("bf16", True), ("bf16", False), ("fp8_e4m3", False)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
-@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("heads", [128, 32, 16])
 @pytest.mark.parametrize("split", [None, 64, 128])
 def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, seesaw, query_lens, heads,
                                                 split):
-    """64-row tiles on the Gluon kernels (128 heads; 16 heads x 4 queries): bf16 on the seesaw kernel and on the
-    lockstep one, FP8 on the lockstep one; against the reference, and against mla_attn_kernel on the same inputs.
-    Ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items, odd numbers of
-    key blocks (the seesaw pairs the last with a masked one); the launch counter proves a Gluon kernel ran."""
+    """64-row tiles on the Gluon kernels (128 heads; 32 heads, half of each tile padding; 16 heads x 2-4
+    queries): bf16 on the seesaw kernel and on the lockstep one, FP8 on the lockstep one; against the reference,
+    and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the sequence, causal
+    queries, direct and split items, odd numbers of key blocks (the seesaw pairs the last with a masked one); the
+    launch counter proves a Gluon kernel ran."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
@@ -133,8 +137,8 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
     monkeypatch.setenv("DEEPINFER_MLA_SEESAW", "1" if seesaw else "0")
     assert A.seesaw_usable(spec, kern.device) == seesaw
-    if heads == 16 and max(query_lens) < 3:
-        pytest.skip("16 heads take 64-row tiles only with 3+ queries a sequence")
+    if heads == 16 and max(query_lens) < 2:
+        pytest.skip("16 heads take 64-row tiles only with 2+ queries a sequence")
     seq_lens = (1, 70, 700, 2000, 4100, 9000)
     nb, tables = tables_for(seq_lens, 64, gen)
     spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
@@ -226,13 +230,16 @@ def test_every_gpu_launch_has_a_configuration(rank, kv_dtype, monkeypatch):
     for rows in (1, 3, 16, 17, 32, 33, 64, 128, 1024):
         for batch_invariant in (False, True):
             for f32 in (False, True):
-                for one_tile in (False, True):
-                    cfg = A.attn_config(rows, spec, False, batch_invariant, f32, one_tile)
+                for one_tile, gluon in itertools.product((False, True), (False, True)):
+                    cfg = A.attn_config(rows, spec, False, batch_invariant, f32, one_tile, gluon)
                     cands = A._GPU_CONFIGS[cfg.pop("_key")]
                     assert cands and all(len(c) in (4, 6) and c[0] == cands[0][0] for c in cands)
                     assert cfg == dict(zip(A._CONFIG_FIELDS, cands[0]))
                     if batch_invariant and not f32:  # one tile shape whatever the batch
                         assert cfg["BM"] == 64
+                    if not f32:  # 16 rows keep their tile; 17-32 take the Gluon kernels' 64-row tile where they run
+                        assert cfg["BM"] == (16 if rows <= 16 and not batch_invariant else
+                                             64 if rows > 32 or gluon or batch_invariant else 32)
 
 
 def test_launch_moves_past_configurations_that_do_not_fit(monkeypatch):
