@@ -1,7 +1,7 @@
 """The weight-streaming GEMMs of one decode step, tile by tile, against cuBLAS: how much of HBM each reaches.
 
   python3 benchmarks/gemm_decode.py [--batches 1 32] [--formats bf16 fp8] [--model v2-lite|v3] [--sweep]
-                                    [--budget SECONDS] [--json FILE]
+                                    [--cases experts dense] [--budget SECONDS] [--json FILE]
 
 At decode batch sizes every GEMM of a DeepSeek layer reads its whole weight for a few rows, so what counts is
 GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases, per batch B:
@@ -10,8 +10,9 @@ GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases
   gated_linear asks), then the down projection (for FP8 weights with its activation quantisation, timed with
   it), both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS calls over the active experts
   (bf16), and torch._grouped_mm where this torch has it.
-- dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (Triton) next
-  to cuBLAS (bf16 matmul, or row-wise FP8 `torch._scaled_mm`), which the model uses for dense bf16 weights.
+- dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (the backend's
+  linear: at batch 1 the GEMV, unless DEEPINFER_GEMV=0; else the GEMM tile for FP8 weights and cuBLAS for bf16
+  ones, with the Triton tile as a further run) next to cuBLAS (bf16 matmul, or row-wise FP8 `torch._scaled_mm`).
 With --sweep each case also tries narrower tiles, split-K and, for the fused gate/up, the unfused split-K
 GEMM + SiLU kernel; every candidate is checked against the default's result first. Times: a CUDA graph runs
 the case over COPIES distinct weights back to back, as consecutive layers do (so per-launch gaps count as in
@@ -215,10 +216,14 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
             sp = torch.ones(pad, 1, device=dev)
             peers = [("cuBLAS FP8 row-wise", lambda i: torch._scaled_mm(xp, ws[i].data.t(), scale_a=sp, scale_b=sb,
                                                                          out_dtype=torch.bfloat16))]
-            ours = lambda i: G.linear(x, ws[i])  # noqa: E731
         else:
             peers = [("cuBLAS bf16", lambda i: x @ ws[i].data.t())]
-            ours = lambda i: G.linear(x, ws[i], dense_triton=True)  # noqa: E731
+            runs.append(("Triton tile", lambda i: G.linear(x, ws[i], dense_triton=True)))
+        # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights)
+        ours = lambda i: G.linear(x, ws[i])  # noqa: E731
+        if sweep and G.gemv_usable(x, ws[0]):
+            for bn, bk, warps in ((4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4)):
+                runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): G.gemv(x, ws[i], *c)))
         measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, copies, weight_bytes(ws[0], n, k), read, runs, peers)
 
 
@@ -228,6 +233,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--model", default="v2-lite", choices=sorted(MODELS))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cases", nargs="+", default=["experts", "dense"], choices=["experts", "dense"])
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later cases are skipped past it")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
@@ -252,8 +258,10 @@ def main() -> None:
             if time.time() > deadline:
                 print(f"| B={batch} {fmt} | skipped (time budget) |")
                 continue
-            bench_experts(m, batch, fmt, args.sweep, read)
-            bench_dense(m, batch, fmt, args.sweep, read)
+            if "experts" in args.cases:
+                bench_experts(m, batch, fmt, args.sweep, read)
+            if "dense" in args.cases:
+                bench_dense(m, batch, fmt, args.sweep, read)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(RESULTS, fh, indent=1)

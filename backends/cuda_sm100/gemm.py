@@ -346,8 +346,12 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
     weight = _check_weight(weight, 2)
     if isinstance(x, quant.Fp8Activations):
         check_fp8_activations(x, weight)
+        if cfg is None and gemv_usable(x, weight, batch_invariant):
+            return gemv(x, weight)
         return fp8_gemm(x.data, x.scale, weight, x.dtype, cfg, batch_invariant)
     x = _check_x(x, weight)
+    if cfg is None and not dense_triton and gemv_usable(x, weight, batch_invariant):
+        return gemv(x, weight)
     dense_triton = dense_triton or batch_invariant
     x2 = x.reshape(-1, weight.in_features)
     m, n = x2.shape[0], weight.out_features
@@ -363,6 +367,50 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
         _launch(a, a_scale, weight, out, layout=0, sizes=None, m=m, groups=1, cap=0, n=n, rows_hint=m, cfg=cfg,
                 invariant=batch_invariant)
     return out.reshape(*x.shape[:-1], n)
+
+
+def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
+    """Whether gemv() takes x @ W^T: one row (batch-1 decode) on a GPU, a dense 16-bit weight of x's dtype or an
+    fp8_block one, x 16-bit or quant.Fp8Activations. DEEPINFER_GEMV=0 keeps those rows on cuBLAS / the GEMM tile
+    (A/B runs). Batch-invariant mode keeps the tile: a row's sums must not depend on the batch's size."""
+    data = x.data if isinstance(x, quant.Fp8Activations) else x
+    w = weight.data
+    if batch_invariant or os.environ.get("DEEPINFER_GEMV", "1") == "0" or not data.is_cuda or w.dim() != 2:
+        return False
+    if data.numel() != weight.in_features or data.stride(-1) != 1 or w.stride(-1) != 1:
+        return False
+    if weight.format is WeightFormat.DENSE:
+        return data.dtype == w.dtype and data.dtype in (torch.bfloat16, torch.float16)
+    # FP8 weights: rows of any float dtype, quantised in the kernel exactly as quant.Fp8Activations made ahead
+    # would be, so both give the same bits.
+    return weight.format is WeightFormat.FP8_BLOCK
+
+
+def gemv(x, weight: LinearWeight, bn: int | None = None, bk: int | None = None, warps: int | None = None) -> torch.Tensor:
+    """x [..., K] (one row) @ W^T -> [..., N] on gemv_kernels (fp32 sums), for gemv_usable() calls; a 16-bit x
+    meeting an fp8_block weight is quantised in the kernel, as the GEMM path would.
+
+    Default tiles: 8 weight rows a program, K steps of 16 KiB of weight a row group (1024 16-bit or 2048 E4M3
+    columns), 64 weight values a thread (4 or 8 warps). H200, benchmarks/gemm_decode.py --sweep, V2-Lite at batch
+    1, us: bf16 q/kv_a 5.8 (cuBLAS 8.1), o_proj 4.5 (7.3), lm_head 98 (109); FP8 q/kv_a 4.9 and o_proj 3.5,
+    against 8.5 and 7.7 for the GEMM tile with its quantiser."""
+    from deepinfer.backends.cuda_sm100 import gemv_kernels as V
+
+    x_fp8 = isinstance(x, quant.Fp8Activations)
+    data = x.data if x_fp8 else x
+    n, k = weight.out_features, weight.in_features
+    bn = bn or 8
+    bk = min(bk or 2048 // weight.data.element_size(), max(128, next_pow2(k)))
+    warps = warps or max(1, min(8, bn * bk // 2048))
+    out_dtype = x.dtype if x_fp8 else data.dtype
+    out = torch.empty(*data.shape[:-1], n, dtype=out_dtype, device=data.device)
+    w_fp8 = weight.format is WeightFormat.FP8_BLOCK
+    ws = weight.scale if w_fp8 else weight.data  # (any pointer when unread)
+    xs = x.scale if x_fp8 else data
+    V.gemv_kernel[(cdiv(n, bn),)](data, xs, weight.data, ws, out, n, xs.stride(-1), weight.data.stride(0), ws.stride(0),
+                                  K=k, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, num_warps=warps,
+                                  **launch_kwargs())
+    return out
 
 
 def _check_sizes(group_sizes: object, groups: int, total: int | None, device: torch.device, validate: bool = True) -> None:

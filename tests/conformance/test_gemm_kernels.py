@@ -316,3 +316,31 @@ def test_group_tile_map_covers_every_row_once(cuda_backend, gen):
     got = [tuple(e) for e in tmap.cpu().tolist()]
     assert got[:len(want)] == want
     assert all(end <= row0 for _, row0, end in got[len(want):])
+
+
+@pytest.mark.parametrize("fmt,x_kind", [("dense", "bf16"), ("dense", "fp16"), ("fp8_block", "bf16"),
+                                        ("fp8_block", "fp32"), ("fp8_block", "fp8_activations")])
+@pytest.mark.parametrize("k,n,bk", [(200, 37, None), (300, 64, 128), (1024, 300, 256), (65, 9, None)])
+def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, fmt, x_kind, k, n, bk):
+    """The batch-1 GEMV: K steps that do not divide K, N not a multiple of the program's rows (nor of 128, the FP8
+    blocks); dense 16-bit weights, and FP8 block weights meeting 16-bit rows (quantised in the kernel, as the
+    GEMM path quantises them) or already-quantised ones. Against the reference backend's linear on the same
+    weight and inputs."""
+    dev = cuda_backend.device
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(x_kind, torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    w = LinearWeight.quantize((torch.randn(n, k, generator=gen) / k**0.5).to(dtype), fmt)
+    if x_kind == "fp8_activations":
+        q, s = quant.quantize_fp8_per_token_group(x.float())
+        x = quant.Fp8Activations(q, s, torch.bfloat16)
+    ref = ref_gemm.linear(x, w)
+    x_dev = quant.Fp8Activations(x.data.to(dev), x.scale.to(dev), x.dtype) if x_kind == "fp8_activations" else x.to(dev)
+    out = gemm.gemv(x_dev, w.to(dev), bk=bk)
+    assert out.dtype == ref.dtype == dtype and out.shape == (1, n)
+    assert _rel_err(out, ref) < {torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(dtype, 1e-5)  # the output's rounding
+    if fmt == "fp8_block" and x_kind != "fp8_activations":  # quantised in the kernel = quantised ahead, bit for bit
+        q, s = quant.quantize_fp8_per_token_group(x.float())
+        ahead = quant.Fp8Activations(q.to(dev), s.to(dev), dtype)
+        assert torch.equal(gemm.gemv(ahead, w.to(dev), bk=bk), out)
+    if dev.type == "cuda":  # the backend's linear takes one row on the GEMV
+        assert gemm.gemv_usable(x_dev, w.to(dev))
