@@ -154,7 +154,10 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     plan = kern.plan_attention(batch, spec, split_tokens=split)
     t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
     assert_close_rel(out, t_out, tol=1e-2)
-    torch.testing.assert_close(lse, t_lse, rtol=1e-3, atol=1e-3)
+    # At most 32 rows the Triton kernel folds FP8 scales into the fp32 scores, where the Gluon kernels round the
+    # dequantised tile to bf16: the two then differ by the reference comparison's FP8 allowance, not less.
+    tol = 1e-2 if spec.is_fp8 and heads * max(query_lens) <= 32 else 1e-3
+    torch.testing.assert_close(lse, t_lse, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("heads", [0, 16, 128])
