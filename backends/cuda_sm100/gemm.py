@@ -371,7 +371,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
 
 def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
     """Whether gemv() takes x @ W^T: one row (batch-1 decode) on a GPU, a dense 16-bit weight of x's dtype or an
-    fp8_block one, x 16-bit or quant.Fp8Activations. DEEPINFER_GEMV=0 keeps those rows on cuBLAS / the GEMM tile
+    fp8_block one (x of any float dtype, or quant.Fp8Activations). DEEPINFER_GEMV=0 keeps those rows on cuBLAS / the GEMM tile
     (A/B runs). Batch-invariant mode keeps the tile: a row's sums must not depend on the batch's size."""
     data = x.data if isinstance(x, quant.Fp8Activations) else x
     w = weight.data

@@ -8,8 +8,8 @@ loaded before the wait for the previous kernel, so its streaming overlaps that k
 after the wait.
 
 Weights are 16-bit, or E4M3 with a float32 scale per 128 x 128 block (W_FP8); x is 16-bit (quantised in the
-kernel when the weight is E4M3), or E4M3 with a scale per 128 columns (X_FP8, quant.Fp8Activations). Tiles are [BN, BK / 128, 128] so that each 128-column
-group's sum meets its scales before the groups are added.
+kernel when the weight is E4M3), or E4M3 with a scale per 128 columns (X_FP8, quant.Fp8Activations). Tiles are
+[BN, BK / 128, 128] so that each 128-column group's sum meets its scales before the groups are added.
 """
 
 from __future__ import annotations
