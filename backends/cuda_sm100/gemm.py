@@ -382,8 +382,8 @@ def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
     if weight.format is WeightFormat.DENSE:
         return data.dtype == w.dtype and data.dtype in (torch.bfloat16, torch.float16)
     # FP8 weights: rows of any float dtype, quantised in the kernel exactly as quant.Fp8Activations made ahead
-    # would be, so both give the same bits.
-    return weight.format is WeightFormat.FP8_BLOCK
+    # would be, so both give the same bits. The kernel steps along a row of block scales with unit stride.
+    return weight.format is WeightFormat.FP8_BLOCK and weight.scale.stride(-1) == 1
 
 
 def gemv(x, weight: LinearWeight, bn: int | None = None, bk: int | None = None, warps: int | None = None) -> torch.Tensor:
