@@ -13,6 +13,9 @@ heldout_files.txt, read from this interpreter's standard library). Printed:
   3. generated tokens per second at each of --batches for every configuration, and the ratio to
      non-speculative decoding measured in the same run (interleaved, best of --repeats). Batch B holds B
      requests in flight over 3B prompts (a finished request is replaced at once, as under a server's load).
+  4. the waste-throughput frontier at --frontier-load: the fixed block, Algorithm 1 and static thresholds, each
+     with its waste, its throughput against the fixed block's, and the share of the run spent drafting (the
+     speculator's draft_seconds), so what verification cuts can buy is visible next to what drafting costs.
 
     python benchmarks/bench_spec_cpu.py [--temperature 1.0] [--threads 1]
 """
@@ -118,6 +121,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--frontier-load", type=int, default=128, help="load of the frontier table (0: skip it)")
+    ap.add_argument("--frontier-thresholds", default="0.2,0.35,0.5,0.65")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -139,7 +144,8 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     high_loads = [int(b) for b in args.high_loads.split(",")]
-    engines = {name: build(model_dir, name, args.threshold, max(batches + high_loads)) for name in CONFIGS}
+    max_seqs = max(batches + high_loads + [args.frontier_load])
+    engines = {name: build(model_dir, name, args.threshold, max_seqs) for name in CONFIGS}
     curve = engines["DSpark + Algorithm 1"].engine.speculator.scheduler.curve
     rows = curve.rows if hasattr(curve, "rows") else ((None, curve),)
     for r, c in rows:
@@ -242,8 +248,39 @@ def main() -> None:
         print(f"\nAlgorithm 1 at load {b}: waste {alg['waste']:.1%} vs fixed block {fixed['waste']:.1%} "
               f"({1 - alg['waste'] / fixed['waste']:.0%} lower; target >= 50%); throughput vs fixed block at batch {b}: "
               f"{ratio}; verified per round {alg_lo['verified']:.2f} at load 1 -> {alg['verified']:.2f} at load {b}")
+    if args.frontier_load:
+        results["frontier"] = frontier(args, model_dir, engines, max_seqs)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2), encoding="utf-8")
+
+
+def frontier(args, model_dir: Path, engines: dict, max_seqs: int) -> list[dict]:
+    """Section 4: the fixed block, Algorithm 1 and each of --frontier-thresholds at --frontier-load (3x that many
+    prompts, the load held), one run each after a warm-up."""
+    b, t = args.frontier_load, args.temperature
+    ps = heldout_prompts(model_dir, 3 * b, args.prompt_len, args.seed + 200)
+    cuts = [(name, engines[name]) for name in ("DSpark fixed block (5)", "DSpark + Algorithm 1")]
+    cuts += [(f"DSpark threshold {x}", build(model_dir, "DSpark threshold", float(x), max_seqs))
+             for x in args.frontier_thresholds.split(",") if x]
+    rows = []
+    for name, llm in cuts:
+        generate(llm, ps[:4], 4, 8, t, args.seed)  # warm-up
+        reset(llm)
+        tokens, secs = generate(llm, ps, b, args.max_tokens, t, args.seed)
+        s = spec_stats(llm)
+        rows.append({"config": name, "tok_s": tokens / secs, "waste": s.verification_waste, "tau": s.mean_accepted_length,
+                     "verified": s.mean_verified_length, "draft_share": s.draft_seconds / secs,
+                     "tok_s_without_drafting": tokens / (secs - s.draft_seconds)})
+    base = rows[0]
+    print(f"\n## Waste-throughput frontier at load {b} ({len(ps)} prompts, {b} in flight; one run each)\n")
+    print("| verification cut | tok/s | vs fixed block | waste | waste below the fixed block's | verified / round | "
+          "accepted length | run spent drafting | tok/s without the drafting time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['tok_s']:.0f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['waste']:.1%} | "
+              f"{1 - r['waste'] / base['waste']:.0%} | {r['verified']:.2f} | {r['tau']:.3f} | {r['draft_share']:.0%} | "
+              f"{r['tok_s_without_drafting']:.0f} ({r['tok_s_without_drafting'] / base['tok_s_without_drafting']:.2f}x) |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ class _EngineStatsCollector(Collector):
                 ("spec_decode_num_proposed_tokens", "Draft tokens the drafter proposed", spec.num_proposed_tokens),
                 ("spec_decode_num_draft_tokens", "Draft tokens the target verified", spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
+                ("spec_decode_draft_seconds", "Wall time spent drafting (the drafter's passes and draws)",
+                 spec.draft_seconds),
             ):
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
             per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",

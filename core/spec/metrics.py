@@ -20,6 +20,7 @@ class SpecDecodeStats:
     accepted_per_position: tuple[int, ...]  # drafts whose token k was accepted (k = 1..K)
     verified_per_position: tuple[int, ...]  # drafts whose token k was verified
     reached_per_position: tuple[int, ...]  # ... verified with tokens 1..k-1 accepted
+    draft_seconds: float = 0.0  # wall time in the drafter (its forward passes and draws), summed over steps
 
     @property
     def mean_accepted_length(self) -> float:
@@ -70,6 +71,7 @@ class SpecDecodeMetrics:
     verified: list[int] = field(default_factory=list)
     reached: list[int] = field(default_factory=list)
     traces: list[DraftTrace] = field(default_factory=list)
+    draft_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.reset()
@@ -79,6 +81,11 @@ class SpecDecodeMetrics:
         self.num_drafts = self.num_proposed_tokens = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted, self.verified, self.reached = [0] * k, [0] * k, [0] * k
         self.traces = []
+        self.draft_seconds = 0.0
+
+    def record_draft_time(self, seconds: float) -> None:
+        """A step's drafting took `seconds` (what a round pays whatever its verification keeps)."""
+        self.draft_seconds += seconds
 
     def record(self, proposed: int, verified: int, accepted: int, confidence: list[float] | None = None,
                expected_survival: tuple[float, ...] = ()) -> None:
@@ -98,4 +105,4 @@ class SpecDecodeMetrics:
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_proposed_tokens, self.num_draft_tokens,
                                self.num_accepted_tokens, tuple(self.accepted), tuple(self.verified),
-                               tuple(self.reached))
+                               tuple(self.reached), self.draft_seconds)

@@ -13,6 +13,7 @@ Built from EngineConfig by `build_speculator`:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,9 @@ class Speculator:
         the step's tokens and sampled tokens before speculation (Algorithm 1's starting point)."""
         if not requests:
             return {}
-        proposals = self.drafter.propose(requests)
+        started = time.perf_counter()
+        proposals = self.drafter.propose(requests)  # the tokens come back as host lists: the time is the drafting's
+        self.metrics.record_draft_time(time.perf_counter() - started)
         calib = getattr(self.drafter, "calibration", None)
         confidences: list[list[float] | None] = []
         for p in proposals:

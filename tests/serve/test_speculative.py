@@ -59,6 +59,7 @@ def test_speculative_servers_match_the_plain_one(server, mtp_checkpoint, dspark_
             assert "x-deepinfer-speculation" not in completion(running.url).headers
             metrics = httpx.get(running.url + "/metrics", timeout=30).text
             assert "deepinfer_spec_decode_num_drafts_total" in metrics
+            assert "deepinfer_spec_decode_draft_seconds_total" in metrics
             assert 'deepinfer_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
             assert running.engine.stats().spec_decode.num_drafts > 0
         finally:

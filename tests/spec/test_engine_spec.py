@@ -65,6 +65,7 @@ def test_greedy_identical_with_real_drafters(mtp_checkpoint, dspark_dir, referen
     assert tokens_of(run(eng, reqs)) == expected
     stats = eng.stats().spec_decode
     assert stats.num_drafts > 0 and stats.num_accepted_tokens <= stats.num_draft_tokens <= stats.num_proposed_tokens
+    assert stats.draft_seconds > 0.0  # the drafter's passes are timed
     assert eng.stats().free_blocks == eng.stats().num_blocks
 
 
