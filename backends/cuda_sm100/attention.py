@@ -432,7 +432,8 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
         # interpreter folds wherever BM != 64, so that both paths stay tested.
         fold_ok = lambda bm: interp and bm != 64  # noqa: E731
-        if cfg["BM"] == 64 and gluon and L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail):
+        if cfg["BM"] == 64 and gluon:
+            L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail)
             continue
         L.launch_triton(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,

@@ -166,11 +166,9 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
     return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and gluon_gate.runs_on(device, "mla_gluon_kernels")
 
 
-def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> bool:
-    """Run 64-row tiles on the Gluon kernel (views: attention._cache_views of the cache); False (nothing
-    launched) where it does not apply, and the caller launches mla_attn_kernel."""
-    if not gluon_tile_usable(spec, q_nope.dtype, q_nope.device):
-        return False
+def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> None:
+    """Run 64-row tiles on the Gluon kernel (views: attention._cache_views of the cache). The caller has checked
+    gluon_tile_usable and block-aligned tiles: it chose the tile height (attn_config's `gluon`) on them."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     args = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
@@ -179,11 +177,10 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> boo
     if seesaw_usable(spec, q_nope.device):
         S = gluon_gate.kernels("mla_seesaw_kernels")
         S.mla_seesaw_kernel[grid](*args, num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
-        return True
+        return
     G = gluon_gate.kernels("mla_gluon_kernels")
     G.mla_attn_gluon_kernel[grid](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
                                   **launch_kwargs())
-    return True
 
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
