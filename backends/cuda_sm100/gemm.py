@@ -375,9 +375,10 @@ def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
     (A/B runs). Batch-invariant mode keeps the tile: a row's sums must not depend on the batch's size."""
     data = x.data if isinstance(x, quant.Fp8Activations) else x
     w = weight.data
-    if batch_invariant or os.environ.get("DEEPINFER_GEMV", "1") == "0" or not data.is_cuda or w.dim() != 2:
+    # Every linear call asks: the row count, which turns away all but batch-1 decode, first.
+    if data.numel() != weight.in_features or batch_invariant or w.dim() != 2 or not data.is_cuda:
         return False
-    if data.numel() != weight.in_features or data.stride(-1) != 1 or w.stride(-1) != 1:
+    if data.stride(-1) != 1 or w.stride(-1) != 1 or os.environ.get("DEEPINFER_GEMV", "1") == "0":
         return False
     if weight.format is WeightFormat.DENSE:
         return data.dtype == w.dtype and data.dtype in (torch.bfloat16, torch.float16)
