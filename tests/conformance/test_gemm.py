@@ -62,7 +62,10 @@ def test_linear_matches_float64(backend, gen, fmt, m, k, n):
         floor = 2.0**-10 * (x.abs().max() * w.abs().sum(1).max() + w.abs().max() * x.abs().sum(1).max()) / 448
         assert ((out.cpu().double() - exact).abs() <= (x.abs().double() @ w.abs().double().t()) * 0.13 + floor).all()
         if k >= 128:  # enough terms for the rounding errors to average out
-            assert _norm_err(out, exact) < 5e-2
+            # The error's norm is ~0.037 of the output's (e4m3's rounding of x and of w, each ~0.026 RMS). One
+            # row draws its activations' rounding once for every output, so there it spreads wider: 6,000 draws
+            # of 1 x 200 x 136 gave 0.0369 +- 0.0033, with three above 0.05. A wrong scale gives ~1.
+            assert _norm_err(out, exact) < 6.5e-2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
