@@ -416,22 +416,22 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
     # for exactness: the GPU's greedy tokens then match the reference's up to summation order).
     f32 = q_nope.dtype == torch.float32
     tail = (out, lse, out.stride(0), out.stride(1), po, plse, heads, qk_scale)
+    # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
+    aligned = lambda bn: spec.block_size % bn == 0 and plan.split_tokens % bn == 0  # noqa: E731
+    gluon = aligned(64) and L.gluon_tile_usable(spec, q_nope.dtype, dev)
+    # FP8 candidates that do not say: dequantising the tile measured ~4% faster than folding the scales
+    # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
+    # interpreter folds wherever BM != 64, so that both paths stay tested.
+    fold_ok = lambda bm: interp and bm != 64  # noqa: E731
     for items, qmax, span in ((plan.dec_items, plan.dec_max_qlen, plan.dec_max_span),
                               (plan.pre_items, plan.pre_max_qlen, plan.pre_max_span)):
         if items.shape[0] == 0:
             continue
         rows = qmax * heads
-        # Tiles that never straddle a block (BN | block size, BN | split) read the block table once per tile.
-        aligned = lambda bn: spec.block_size % bn == 0 and plan.split_tokens % bn == 0  # noqa: E731
-        gluon = aligned(64) and L.gluon_tile_usable(spec, q_nope.dtype, dev)
         cfg = L.attn_config(rows, spec, interp, plan.batch_invariant, f32, one_tile=0 < plan.split_tokens <= 64,
                             gluon=gluon)
         row_tiles = cdiv(rows, cfg["BM"])
         grid = (items.shape[0] * row_tiles,)
-        # FP8 candidates that do not say: dequantising the tile measured ~4% faster than folding the scales
-        # into scores and probabilities with 8-warp tiles (H200, 2026-11-29), so the GPU dequantises; the
-        # interpreter folds wherever BM != 64, so that both paths stay tested.
-        fold_ok = lambda bm: interp and bm != 64  # noqa: E731
         if cfg["BM"] == 64 and gluon:
             L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail)
             continue
