@@ -8,7 +8,8 @@ GB/s of weight bytes over the HBM read ceiling (measured in the same run). Cases
 - experts: the routed + folded shared experts as the model runs them (tokens pick top_k distinct routed
   experts at random plus every shared slice): gate/up fused with SiLU (16-bit output, as the backend's
   gated_linear asks), then the down projection (for FP8 weights with its activation quantisation, timed with
-  it), both grouped (contiguous layout). Peers: a loop of per-expert cuBLAS calls over the active experts
+  it), both grouped (contiguous layout); 16-bit experts' rows at batch 1 on the grouped GEMV unless
+  DEEPINFER_GEMV=0 (--sweep times the GEMV's tiles for E4M3 experts too). Peers: a loop of per-expert cuBLAS calls over the active experts
   (bf16), and torch._grouped_mm where this torch has it.
 - dense projections at M = B: the attention's fused q/kv_a projection, o_proj, lm_head: ours (the backend's
   linear: at batch 1 the GEMV, unless DEEPINFER_GEMV=0; else the GEMM tile for FP8 weights and cuBLAS for bf16
@@ -41,6 +42,8 @@ MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices,
     "v3": dict(hidden=7168, inter=2048, experts=256, top_k=8, shared=1, q_kv_a=1536 + 576, o_in=128 * 128, vocab=129280),
 }
 RESULTS: list[dict] = []
+# (weight rows a program, K step, warps) for the grouped GEMV's sweep: fewer, larger programs than the default's
+GEMV_GROUPED_TILES = [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 2048, 8)]
 COPIES = 8  # distinct weights per timed graph (the lm_head case: 2)
 
 
@@ -153,6 +156,9 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
         runs.append(("unfused default + silu (the model where gemm.fuse_gate_up says no)", unfused))
         runs += [("unfused " + B.cfg_name(c) + " + silu", lambda i, c=c: unfused(i, c))
                  for c in candidates(rows, bk, False) if c.split_k > 1]
+        if G.gemv_grouped_fits(x, gate_up[0]):
+            runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: G.gemv_grouped(
+                x, gate_up[i], sizes, gated=True, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
     peers = []
     if not fp8:
         host = sizes.tolist()
@@ -171,6 +177,9 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
         return G.grouped_linear(hidden, down[i], sizes, cfg=cfg, validate=False)
 
     runs = [(B.cfg_name(c), lambda i, c=c: down_run(i, c)) for c in (candidates(rows, bk, False) if sweep else [])]
+    if sweep and G.gemv_grouped_fits(hidden, down[0]):
+        runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: G.gemv_grouped(
+            hidden, down[i], sizes, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
     peers = []
     if not fp8:
         offs = torch.cumsum(sizes, 0).to(torch.int32)
@@ -223,7 +232,7 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
         ours = lambda i: G.linear(x, ws[i])  # noqa: E731
         if sweep and G.gemv_usable(x, ws[0]):
             for bn, bk, warps in ((4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4)):
-                runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): G.gemv(x, ws[i], *c)))
+                runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): G.gemv(x, ws[i], bn=c[0], bk=c[1], warps=c[2])))
         measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, copies, weight_bytes(ws[0], n, k), read, runs, peers)
 
 

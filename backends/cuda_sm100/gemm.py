@@ -369,48 +369,112 @@ def linear(x: torch.Tensor, weight: LinearWeight, cfg: TileConfig | None = None,
     return out.reshape(*x.shape[:-1], n)
 
 
-def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
-    """Whether gemv() takes x @ W^T: one row (batch-1 decode) on a GPU, a dense 16-bit weight of x's dtype or an
-    fp8_block one (x of any float dtype, or quant.Fp8Activations). DEEPINFER_GEMV=0 keeps those rows on cuBLAS / the GEMM tile
-    (A/B runs). Batch-invariant mode keeps the tile: a row's sums must not depend on the batch's size."""
-    data = x.data if isinstance(x, quant.Fp8Activations) else x
+# Rows sorted by expert that the grouped GEMV takes (one decode token's routed and shared experts: V2-Lite 8, V3 9),
+# each row reading its expert's weight; more rows share experts, and the GEMM tile reads a weight once for them.
+GEMV_GROUPED_MAX_ROWS = 16
+
+
+def _gemv_operands_ok(data: torch.Tensor, x_fp8: bool, weight: LinearWeight) -> bool:
+    """Formats the GEMV computes: a dense 16-bit weight with rows of its dtype, or an fp8_block weight with rows of
+    any float dtype (quantised in the kernel exactly as quant.Fp8Activations made ahead would be, so both give the
+    same bits) or already E4M3 (x_fp8); every operand with unit column stride, on a GPU."""
     w = weight.data
-    # Every linear call asks: the row count, which turns away all but batch-1 decode, first.
-    if data.numel() != weight.in_features or batch_invariant or w.dim() != 2 or not data.is_cuda:
-        return False
-    if data.stride(-1) != 1 or w.stride(-1) != 1 or os.environ.get("DEEPINFER_GEMV", "1") == "0":
+    if os.environ.get("DEEPINFER_GEMV", "1") == "0" or not data.is_cuda or data.stride(-1) != 1 or w.stride(-1) != 1:
         return False
     if weight.format is WeightFormat.DENSE:
-        return data.dtype == w.dtype and data.dtype in (torch.bfloat16, torch.float16)
-    # FP8 weights: rows of any float dtype, quantised in the kernel exactly as quant.Fp8Activations made ahead
-    # would be, so both give the same bits. The kernel steps along a row of block scales with unit stride.
+        return not x_fp8 and data.dtype == w.dtype and data.dtype in (torch.bfloat16, torch.float16)
+    # The kernel steps along a row of block scales with unit stride.
     return weight.format is WeightFormat.FP8_BLOCK and weight.scale.stride(-1) == 1
 
 
-def gemv(x, weight: LinearWeight, bn: int | None = None, bk: int | None = None, warps: int | None = None) -> torch.Tensor:
-    """x [..., K] (one row) @ W^T -> [..., N] on gemv_kernels (fp32 sums), for gemv_usable() calls; a 16-bit x
-    meeting an fp8_block weight is quantised in the kernel, as the GEMM path would.
-
-    Default tiles: 8 weight rows a program, K steps of 16 KiB of weight a row group (1024 16-bit or 2048 E4M3
-    columns), 64 weight values a thread (4 or 8 warps). H200, benchmarks/gemm_decode.py --sweep, V2-Lite at batch
-    1, us: bf16 q/kv_a 5.8 (cuBLAS 8.1), o_proj 4.5 (7.3), lm_head 98 (109); FP8 q/kv_a 4.9 and o_proj 3.5,
-    against 8.5 and 7.7 for the GEMM tile with its quantiser."""
-    from deepinfer.backends.cuda_sm100 import gemv_kernels as V
-
+def gemv_usable(x, weight: LinearWeight, batch_invariant: bool = False) -> bool:
+    """Whether gemv() takes x @ W^T: one row (batch-1 decode) of a 2-D weight in a format _gemv_operands_ok takes.
+    DEEPINFER_GEMV=0 keeps those rows on cuBLAS / the GEMM tile (A/B runs); batch-invariant mode keeps the tile (a
+    row's sums must not depend on the batch's size)."""
     x_fp8 = isinstance(x, quant.Fp8Activations)
     data = x.data if x_fp8 else x
-    n, k = weight.out_features, weight.in_features
-    bn = bn or 8
-    bk = min(bk or 2048 // weight.data.element_size(), max(128, next_pow2(k)))
-    warps = warps or max(1, min(8, bn * bk // 2048))
-    out_dtype = x.dtype if x_fp8 else data.dtype
-    out = torch.empty(*data.shape[:-1], n, dtype=out_dtype, device=data.device)
+    return (not batch_invariant and weight.data.dim() == 2 and data.numel() == weight.in_features
+            and _gemv_operands_ok(data, x_fp8, weight))
+
+
+def gemv_grouped_fits(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None = None) -> bool:
+    """Whether gemv_grouped() can take rows x [M, K] sorted by group: at most GEMV_GROUPED_MAX_ROWS of them, a
+    contiguous [G, N, K] weight in a format _gemv_operands_ok takes."""
+    x_fp8 = x_scale is not None and x.dtype == quant.FP8_DTYPE
+    return (0 < x.shape[0] <= GEMV_GROUPED_MAX_ROWS and weight.data.dim() == 3 and weight.data.is_contiguous()
+            and _gemv_operands_ok(x, x_fp8, weight))
+
+
+def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None = None) -> bool:
+    """Whether grouped_linear / gate_up_silu route rows x to gemv_grouped(): gemv_grouped_fits, 16-bit weights
+    only. E4M3 experts stay on the GEMM tile, which the GEMV lost to (H200, V2-Lite batch 1, gemm_decode.py
+    --sweep: down 13.4 us at the GEMV's best tile against 11.7; FP8 decode with its experts on the GEMV too: 417
+    tok/s against 491)."""
+    return weight.format is WeightFormat.DENSE and gemv_grouped_fits(x, weight, x_scale)
+
+
+def _gemv_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, warps: int | None) -> tuple[int, int, int]:
+    """(rows a program, K step, warps). Default: 8 weight rows, 16 KiB of weight a row group a step (1024 16-bit or
+    2048 E4M3 columns), 64 weight values a thread; where that step pads K by more than an eighth (the last step
+    mostly masked), half the step and twice the rows, keeping the values a thread. H200, gemm_decode.py --sweep,
+    V2-Lite at batch 1, us: bf16 q/kv_a 5.8 (cuBLAS 8.1), o_proj 4.5 (7.3), lm_head 98 (109); FP8 q/kv_a 4.9 and
+    o_proj 3.5, against 8.5 and 7.7 for the GEMM tile with its quantiser; bf16 experts' down (K = 1408) 14.8 at
+    16 x 512 against 17.1 at 8 x 1024."""
+    fit = max(128, next_pow2(k))  # no step wider than K's power of two
+    if bk is None:
+        widest = min(2048 // weight.data.element_size(), fit)
+        steps = [widest >> i for i in range(4) if widest >> i >= 256] or [widest]
+        padded = [cdiv(k, step) * step for step in steps]
+        bk = next((step for step, p in zip(steps, padded) if p * 7 <= k * 8), steps[padded.index(min(padded))])
+        bn = bn or 8 * widest // bk
+    bn, bk = bn or 8, min(bk, fit)
+    return bn, bk, warps or max(1, min(8, bn * bk // 2048))
+
+
+def _launch_gemv(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, x_fp8: bool, gated: bool,
+                 tiles: tuple[int, int, int]) -> None:
+    from deepinfer.backends.cuda_sm100 import gemv_kernels as V
+
+    bn, bk, warps = tiles
+    w = weight.data
     w_fp8 = weight.format is WeightFormat.FP8_BLOCK
-    ws = weight.scale if w_fp8 else weight.data  # (any pointer when unread)
-    xs = x.scale if x_fp8 else data
-    V.gemv_kernel[(cdiv(n, bn),)](data, xs, weight.data, ws, out, n, xs.stride(-1), weight.data.stride(0), ws.stride(0),
-                                  K=k, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, num_warps=warps,
-                                  **launch_kwargs())
+    ws = weight.scale if w_fp8 else w  # (any pointer when unread)
+    grouped = sizes is not None
+    groups = w.shape[0] if grouped else 1
+    V.gemv_kernel[(rows, cdiv(n, bn))](
+        data, xs, w, ws, out, sizes if grouped else out, rows, n, groups, data.stride(0), xs.stride(0), xs.stride(-1),
+        w.stride(0) if grouped else 0, w.stride(-2), ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
+        K=weight.in_features, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, GROUPED=grouped, G_P=next_pow2(groups),
+        GATED=gated, EXACT=interpreting(), num_warps=warps, **launch_kwargs())
+
+
+def gemv(x, weight: LinearWeight, gated: bool = False, bn: int | None = None, bk: int | None = None,
+         warps: int | None = None) -> torch.Tensor:
+    """x [..., K] (one row) @ W^T -> [..., N] on gemv_kernels (fp32 sums), for gemv_usable() calls; a 16-bit x
+    meeting an fp8_block weight is quantised in the kernel, as the GEMM path would. gated: W is [gate; up] and the
+    output silu(gate) * up [..., N / 2], as gate_up_silu computes it. Tiles: _gemv_tiles."""
+    x_fp8 = isinstance(x, quant.Fp8Activations)
+    data = x.data if x_fp8 else x
+    k = weight.in_features
+    n = weight.out_features // 2 if gated else weight.out_features
+    out = torch.empty(*data.shape[:-1], n, dtype=x.dtype if x_fp8 else data.dtype, device=data.device)
+    _launch_gemv(data.reshape(1, k), x.scale if x_fp8 else data.reshape(1, k), weight, out.reshape(1, n), n, 1,
+                 None, x_fp8, gated, _gemv_tiles(weight, k, bn, bk, warps))
+    return out
+
+
+def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, gated: bool = False, bn: int | None = None,
+                 bk: int | None = None, warps: int | None = None) -> torch.Tensor:
+    """Rows x [M, K] sorted by group (group_sizes [G] on the device) times their groups' weights [G, N_w, K], each
+    row its own pass over its group's weight: for gemv_grouped_usable() calls. gated: the weight is [gate; up]
+    and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it. x may be E4M3 with x_scale."""
+    x_fp8 = x_scale is not None and x.dtype == quant.FP8_DTYPE
+    m, k = x.shape
+    n = weight.out_features // 2 if gated else weight.out_features
+    out = torch.empty(m, n, dtype=out_dtype or (torch.bfloat16 if x_fp8 else x.dtype), device=x.device)
+    _launch_gemv(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated,
+                 _gemv_tiles(weight, k, bn, bk, warps))
     return out
 
 
@@ -436,6 +500,8 @@ def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Ten
     if x_scale is None or x.dtype != quant.FP8_DTYPE:
         x = _check_x(x, weight, ndim=2)
     _check_sizes(group_sizes, weight.num_groups, x.shape[0], x.device, validate)
+    if cfg is None and not batch_invariant and gemv_grouped_usable(x, weight, x_scale):
+        return gemv_grouped(x, weight, group_sizes, x_scale, out_dtype)
     m, n = x.shape[0], weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (x.dtype if x.dtype != quant.FP8_DTYPE else torch.bfloat16), device=x.device)
     if m:
@@ -532,6 +598,11 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
             _check_sizes(group_sizes, groups, x.shape[0], x.device, validate)
     m = flat.shape[0]
     lead = x.shape[:-1]
+    if not quantize and cfg is None and layout in (0, 1):  # one decode token's rows: the GEMV
+        if layout == 1 and gemv_grouped_usable(flat, gate_up):
+            return gemv_grouped(flat, gate_up, group_sizes, gated=True).reshape(*lead, inter)
+        if layout == 0 and gemv_usable(flat, gate_up):
+            return gemv(flat, gate_up, gated=True).reshape(*lead, inter)
     if quantize:
         out = torch.empty(m, inter, dtype=quant.FP8_DTYPE, device=x.device)
         out_scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=x.device)

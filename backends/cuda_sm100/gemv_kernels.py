@@ -1,15 +1,18 @@
-"""Decode-step GEMV: out[n] = sum_k x[k] w[n, k] for the one row of a batch-1 decode step.
+"""Decode-step GEMV: out[r, n] = sum_k x[r, k] w[n, k] for the one row of a batch-1 decode step, or for each of a
+few rows sorted by expert (a batch-1 step's routed and shared experts, each row its own expert's weight).
 
-At batch 1 a dense projection reads its whole weight for one row, so all that counts is keeping HBM busy. A
-GEMM tile pads the row to an MMA's 16 and pipelines narrow K steps; here each program takes BN weight rows and
-loads BK columns of them at once (its whole slab when K <= BK), multiplies them by x in fp32 on the FMA units
-and reduces once per K step. Under PDL the first K step of the weight (which no earlier kernel writes) is
-loaded before the wait for the previous kernel, so its streaming overlaps that kernel's tail; x is read only
-after the wait.
+At batch 1 a projection reads its whole weight for one row, so all that counts is keeping HBM busy. A GEMM tile
+pads the row to an MMA's 16 and pipelines narrow K steps; here each program takes BN weight rows and loads BK
+columns of them at once (its whole slab when K <= BK), multiplies them by the row in fp32 on the FMA units and
+reduces once per K step. One matrix under PDL: the first K step of the weight (which no earlier kernel writes)
+is loaded before the wait for the previous kernel, so its streaming overlaps that kernel's tail; x is read only
+after the wait. Grouped rows need the previous kernel's group sizes first, so they wait at once.
 
 Weights are 16-bit, or E4M3 with a float32 scale per 128 x 128 block (W_FP8); x is 16-bit (quantised in the
-kernel when the weight is E4M3), or E4M3 with a scale per 128 columns (X_FP8, quant.Fp8Activations). Tiles are
-[BN, BK / 128, 128] so that each 128-column group's sum meets its scales before the groups are added.
+kernel when the weight is E4M3, with quant_fp8_kernel's own helper), or E4M3 with a scale per 128 columns
+(X_FP8, quant.Fp8Activations). Tiles are [BN, BK / 128, 128] so that each 128-column group's sum meets its
+scales before the groups are added. GATED: the weight holds [gate; up] (2N rows) and the output is
+silu(gate) * up, with gemm_kernel's roundings.
 """
 
 from __future__ import annotations
@@ -17,17 +20,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer.backends.cuda_sm100.gemm_kernels import _quantize_rows
+from deepinfer.backends.cuda_sm100.gemm_kernels import _cast, _quantize_rows, _tile_rows
 from deepinfer.backends.cuda_sm100.pdl import enter
 
 
 @triton.jit
-def _load_slab(w_rows, ws_rows, k0, K: tl.constexpr, rmask, G: tl.constexpr, W_FP8: tl.constexpr):
-    """Weight columns k0 .. k0 + 128 G of the program's rows (w_rows, rmask [BN, 1]) as [BN, G, 128] (zero past
-    K), and their block scales [BN, G] (W_FP8; else a placeholder)."""
-    g = k0 // 128 + tl.arange(0, G)
-    c = tl.arange(0, 128)
-    cols = (g * 128)[None, :, None] + c[None, None, :]
+def _load_slab(w_rows, ws_rows, k0, K: tl.constexpr, rmask, GK: tl.constexpr, W_FP8: tl.constexpr):
+    """Weight columns k0 .. k0 + 128 GK of the program's rows (w_rows, rmask [BN, 1]) as [BN, GK, 128] (zero past
+    K), and their block scales [BN, GK] (W_FP8; else a placeholder)."""
+    g = k0 // 128 + tl.arange(0, GK)
+    cols = (g * 128)[None, :, None] + tl.arange(0, 128)[None, None, :]
     w = tl.load(w_rows[:, :, None] + cols, mask=rmask[:, :, None] & (cols < K), other=0.0)
     if W_FP8:
         ws = tl.load(ws_rows + g[None, :], mask=rmask & (g < tl.cdiv(K, 128))[None, :], other=0.0)
@@ -37,19 +39,26 @@ def _load_slab(w_rows, ws_rows, k0, K: tl.constexpr, rmask, G: tl.constexpr, W_F
 
 
 @triton.jit
-def _slab_dot(x_ptr, xs_ptr, stride_xsk, k0, K: tl.constexpr, w, ws, G: tl.constexpr, W_FP8: tl.constexpr,
+def _load_row(x_row, xs_row, stride_xsk, k0, K: tl.constexpr, GK: tl.constexpr, W_FP8: tl.constexpr,
               X_FP8: tl.constexpr):
-    """[BN] fp32: x's columns k0 .. k0 + 128 G times the slab w [BN, G, 128], each group's sum scaled. A 16-bit
-    x meeting FP8 weights is quantised here per 128 columns, as quant_fp8_kernel would (DeepSeek's recipe)."""
-    g = k0 // 128 + tl.arange(0, G)
+    """Columns k0 .. k0 + 128 GK of one row as float32 [GK, 128] (zero past K), and their scales [GK] when the
+    products need them (E4M3 x, or a 16-bit x quantised here to meet E4M3 weights; else a placeholder)."""
+    g = k0 // 128 + tl.arange(0, GK)
     cols = (g * 128)[:, None] + tl.arange(0, 128)[None, :]
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    if W_FP8 and not X_FP8:
-        x, xs = _quantize_rows(x, cols < K)
-    part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BN, G]
+    x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+    xs = 0.0
     if X_FP8:
-        part = part * tl.load(xs_ptr + g * stride_xsk, mask=g < tl.cdiv(K, 128), other=0.0)[None, :]
+        xs = tl.load(xs_row + g * stride_xsk, mask=g < tl.cdiv(K, 128), other=0.0)
     elif W_FP8:
+        x, xs = _quantize_rows(x, cols < K)
+    return x, xs
+
+
+@triton.jit
+def _slab_dot(x, xs, w, ws, W_FP8: tl.constexpr, X_FP8: tl.constexpr):
+    """[BN] fp32: the row part x [GK, 128] times the slab w [BN, GK, 128], each group's sum scaled."""
+    part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BN, GK]
+    if X_FP8 or W_FP8:
         part = part * xs[None, :]
     if W_FP8:
         part = part * ws
@@ -57,19 +66,51 @@ def _slab_dot(x_ptr, xs_ptr, stride_xsk, k0, K: tl.constexpr, w, ws, G: tl.const
 
 
 @triton.jit
-def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, N, stride_xsk, stride_wn, stride_wsn, K: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, W_FP8: tl.constexpr, X_FP8: tl.constexpr, PDL: tl.constexpr = False):
-    """One program: BN outputs. K (a weight's width: a few values a model) is constant, so the K loop is bound
-    on the host, which the interpreter needs. BK: a multiple of 128."""
-    G: tl.constexpr = BK // 128
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_xm, stride_xsm, stride_xsk,
+                stride_wg, stride_wn, stride_wsg, stride_wsn, stride_om, K: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, W_FP8: tl.constexpr, X_FP8: tl.constexpr, GROUPED: tl.constexpr, G_P: tl.constexpr,
+                GATED: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (r, j): BN outputs of row r (GROUPED: of the r-th row of the rows sorted by group, its group's
+    weight; grid rows past M do nothing). K (a weight's width: a few values a model) is constant, so the K loop
+    is bound on the host, which the interpreter needs. BK: a multiple of 128."""
+    GK: tl.constexpr = BK // 128
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = (rn < N)[:, None]
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    ws_rows = ws_ptr + (rn // 128)[:, None] * stride_wsn
-    w, ws = _load_slab(w_rows, ws_rows, 0, K, rmask, G, W_FP8)  # before the wait: weights only
-    enter(PDL)
-    acc = _slab_dot(x_ptr, xs_ptr, stride_xsk, 0, K, w, ws, G, W_FP8, X_FP8)
+    if GROUPED:
+        enter(PDL)
+        g, row, end = _tile_rows(tl.program_id(0), sizes_ptr, M, G, 0, 1, 1, G_P)
+        if row >= end:
+            return
+    else:
+        g = tl.program_id(0) * 0
+        row = tl.program_id(0)
+    g64 = g.to(tl.int64)
+    w_rows = w_ptr + g64 * stride_wg + rn[:, None].to(tl.int64) * stride_wn
+    ws_rows = ws_ptr + g64 * stride_wsg + (rn // 128)[:, None] * stride_wsn
+    u_rows = w_rows + tl.cast(N, tl.int64) * stride_wn  # GATED: rows N .. 2N - 1 are the up projection
+    us_rows = ws_ptr + g64 * stride_wsg + ((rn + N) // 128)[:, None] * stride_wsn
+    w, ws = _load_slab(w_rows, ws_rows, 0, K, rmask, GK, W_FP8)  # one matrix: before the wait (weights only)
+    if GATED:
+        u, us = _load_slab(u_rows, us_rows, 0, K, rmask, GK, W_FP8)
+    if not GROUPED:
+        enter(PDL)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    xs_row = xs_ptr + row.to(tl.int64) * stride_xsm
+    x, xs = _load_row(x_row, xs_row, stride_xsk, 0, K, GK, W_FP8, X_FP8)
+    acc = _slab_dot(x, xs, w, ws, W_FP8, X_FP8)
+    if GATED:
+        acc_up = _slab_dot(x, xs, u, us, W_FP8, X_FP8)
     for k0 in range(BK, K, BK):
-        w, ws = _load_slab(w_rows, ws_rows, k0, K, rmask, G, W_FP8)
-        acc += _slab_dot(x_ptr, xs_ptr, stride_xsk, k0, K, w, ws, G, W_FP8, X_FP8)
-    tl.store(o_ptr + rn, acc.to(o_ptr.dtype.element_ty), mask=rn < N)
+        w, ws = _load_slab(w_rows, ws_rows, k0, K, rmask, GK, W_FP8)
+        if GATED:
+            u, us = _load_slab(u_rows, us_rows, k0, K, rmask, GK, W_FP8)
+        x, xs = _load_row(x_row, xs_row, stride_xsk, k0, K, GK, W_FP8, X_FP8)
+        acc += _slab_dot(x, xs, w, ws, W_FP8, X_FP8)
+        if GATED:
+            acc_up += _slab_dot(x, xs, u, us, W_FP8, X_FP8)
+    out_ty: tl.constexpr = o_ptr.dtype.element_ty
+    if GATED:  # as gemm_kernel's FUSE_SILU: gate and up rounded to the output dtype, silu * up in float32
+        gate = _cast(acc, out_ty, EXACT).to(tl.float32)
+        up = _cast(acc_up, out_ty, EXACT).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(o_ptr + row.to(tl.int64) * stride_om + rn, _cast(acc, out_ty, EXACT), mask=rn < N)

@@ -321,26 +321,57 @@ def test_group_tile_map_covers_every_row_once(cuda_backend, gen):
 @pytest.mark.parametrize("fmt,x_kind", [("dense", "bf16"), ("dense", "fp16"), ("fp8_block", "bf16"),
                                         ("fp8_block", "fp32"), ("fp8_block", "fp8_activations")])
 @pytest.mark.parametrize("k,n,bk", [(200, 37, None), (300, 64, 128), (1024, 300, 256), (65, 9, None)])
-def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, fmt, x_kind, k, n, bk):
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, fmt, x_kind, k, n, bk, gated):
     """The batch-1 GEMV: K steps that do not divide K, N not a multiple of the program's rows (nor of 128, the FP8
     blocks); dense 16-bit weights, and FP8 block weights meeting 16-bit rows (quantised in the kernel, as the
     GEMM path quantises them) or already-quantised ones. Against the reference backend's linear on the same
-    weight and inputs."""
+    weight and inputs; gated (a [gate; up] weight), against silu(gate) * up of the reference's projection."""
     dev = cuda_backend.device
     dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(x_kind, torch.bfloat16)
     x = torch.randn(1, k, generator=gen).to(dtype)
-    w = LinearWeight.quantize((torch.randn(n, k, generator=gen) / k**0.5).to(dtype), fmt)
+    w = LinearWeight.quantize((torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(dtype), fmt)
     if x_kind == "fp8_activations":
         q, s = quant.quantize_fp8_per_token_group(x.float())
         x = quant.Fp8Activations(q, s, torch.bfloat16)
     ref = ref_gemm.linear(x, w)
+    if gated:
+        ref = silu_and_mul(ref)
     x_dev = quant.Fp8Activations(x.data.to(dev), x.scale.to(dev), x.dtype) if x_kind == "fp8_activations" else x.to(dev)
-    out = gemm.gemv(x_dev, w.to(dev), bk=bk)
+    out = gemm.gemv(x_dev, w.to(dev), gated, bk=bk)
     assert out.dtype == ref.dtype == dtype and out.shape == (1, n)
     assert _rel_err(out, ref) < {torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(dtype, 1e-5)  # the output's rounding
     if fmt == "fp8_block" and x_kind != "fp8_activations":  # quantised in the kernel = quantised ahead, bit for bit
         q, s = quant.quantize_fp8_per_token_group(x.float())
         ahead = quant.Fp8Activations(q.to(dev), s.to(dev), dtype)
-        assert torch.equal(gemm.gemv(ahead, w.to(dev), bk=bk), out)
+        assert torch.equal(gemm.gemv(ahead, w.to(dev), gated, bk=bk), out)
     if dev.type == "cuda":  # the backend's linear takes one row on the GEMV
         assert gemm.gemv_usable(x_dev, w.to(dev))
+
+
+@pytest.mark.parametrize("fmt,x_kind", [("dense", "bf16"), ("fp8_block", "bf16"), ("fp8_block", "fp8")])
+@pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 0, 0, 1], [0, 2, 0, 1, 3], [1]], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("gated", [False, True])
+def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemm, fmt, x_kind, sizes, gated):
+    """Rows sorted by expert (empty groups, a group of several rows, one group) each times its expert's weight on
+    the grouped GEMV: as grouped_linear (16-bit rows, quantised in the kernel for E4M3 weights, or E4M3 rows with
+    their scales) and as gate_up_silu; against the reference's per-group projections, and bit for bit between
+    rows quantised in the kernel and the same rows quantised ahead."""
+    dev = cuda_backend.device
+    groups, m, k, n = len(sizes), sum(sizes), 300, 136
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = LinearWeight.quantize((torch.randn(groups, 2 * n if gated else n, k, generator=gen) / k**0.5).bfloat16(), fmt)
+    sizes_dev = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    q, s = quant.quantize_fp8_per_token_group(x.float())
+    x_in, x_scale = (q.to(dev), s.to(dev)) if x_kind == "fp8" else (x.to(dev), None)
+    ref = ref_gemm.grouped_linear(x, w, torch.tensor(sizes))  # E4M3 weights: the reference quantises x as above
+    if gated:
+        ref = silu_and_mul(ref)
+    out = gemm.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert _rel_err(out, ref) < 8e-3  # the output's rounding
+    if fmt == "fp8_block" and x_kind == "bf16":
+        assert torch.equal(gemm.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
+    if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
+        assert gemm.gemv_grouped_fits(x_in, w.to(dev), x_scale)
+        assert gemm.gemv_grouped_usable(x_in, w.to(dev), x_scale) == (fmt == "dense")
