@@ -125,19 +125,23 @@ def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, 
     routes the block, then resets the ticket to 0 for the next launch. Every logit is one program's
     fixed-order sum, so the result does not depend on which program finishes last.
     """
-    enter(PDL)
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     tok = pid_t * BT + tl.arange(0, BT)
     ex = pid_e * BE + tl.arange(0, BE)
     hh = tl.arange(0, BH)
-    acc = tl.zeros((BT, BE, BH), dtype=tl.float32)
-    for h0 in range(0, H, BH):
+    x_rows = x_ptr + tok[:, None].to(tl.int64) * stride_x
+    g_rows = gate_ptr + ex[:, None].to(tl.int64) * H
+    # The router weight's first BH columns load before the PDL wait: no kernel of the step writes them, so their
+    # read overlaps the previous kernel's tail (at one token BH is all of H on V2-Lite, 4096 of 7168 on V3).
+    gv = tl.load(g_rows + hh[None, :], mask=(ex[:, None] < E) & (hh[None, :] < H), other=0.0).to(tl.float32)
+    enter(PDL)
+    xv = tl.load(x_rows + hh[None, :], mask=(tok[:, None] < T) & (hh[None, :] < H), other=0.0).to(tl.float32)
+    acc = xv[:, None, :] * gv[None, :, :]
+    for h0 in range(BH, H, BH):
         h = h0 + hh
-        xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + h[None, :],
-                     mask=(tok[:, None] < T) & (h[None, :] < H), other=0.0).to(tl.float32)
-        gv = tl.load(gate_ptr + ex[:, None].to(tl.int64) * H + h[None, :],
-                     mask=(ex[:, None] < E) & (h[None, :] < H), other=0.0).to(tl.float32)
+        xv = tl.load(x_rows + h[None, :], mask=(tok[:, None] < T) & (h[None, :] < H), other=0.0).to(tl.float32)
+        gv = tl.load(g_rows + h[None, :], mask=(ex[:, None] < E) & (h[None, :] < H), other=0.0).to(tl.float32)
         acc += xv[:, None, :] * gv[None, :, :]
     logits = tl.sum(acc, axis=2)
     tl.store(logits_ptr + tok[:, None].to(tl.int64) * E + ex[None, :], logits,
