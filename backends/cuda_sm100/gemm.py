@@ -439,11 +439,12 @@ def _launch_gemv(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, 
     w = weight.data
     w_fp8 = weight.format is WeightFormat.FP8_BLOCK
     ws = weight.scale if w_fp8 else w  # (any pointer when unread)
-    grouped = sizes is not None
-    groups = w.shape[0] if grouped else 1
+    grouped = sizes is not None  # else a 3-D weight is one matrix a row (per head), a 2-D one every row's
+    stacked = w.dim() == 3
+    groups = w.shape[0] if stacked else 1
     V.gemv_kernel[(rows, cdiv(n, bn))](
         data, xs, w, ws, out, sizes if grouped else out, rows, n, groups, data.stride(0), xs.stride(0), xs.stride(-1),
-        w.stride(0) if grouped else 0, w.stride(-2), ws.stride(0) if grouped else 0, ws.stride(-2), out.stride(0),
+        w.stride(0) if stacked else 0, w.stride(-2), ws.stride(0) if stacked else 0, ws.stride(-2), out.stride(0),
         K=weight.in_features, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, GROUPED=grouped, G_P=next_pow2(groups),
         GATED=gated, EXACT=interpreting(), num_warps=warps, **launch_kwargs())
 
@@ -532,6 +533,24 @@ def grouped_linear_masked(x: torch.Tensor, weight: LinearWeight, counts: torch.T
     return out
 
 
+def gemv_per_head_usable(x: torch.Tensor, weight: LinearWeight, batch_invariant: bool = False) -> bool:
+    """Whether per_head_linear takes x [T, H, K] on gemv_per_head(): one token (batch-1 decode), a contiguous
+    stacked [H, N, K] 16-bit weight of x's dtype."""
+    return (not batch_invariant and x.shape[0] == 1 and weight.data.dim() == 3 and weight.data.is_contiguous()
+            and _gemv_operands_ok(x, False, weight))
+
+
+def gemv_per_head(x: torch.Tensor, weight: LinearWeight, bn: int | None = None, bk: int | None = None,
+                  warps: int | None = None) -> torch.Tensor:
+    """x [1, H, K] (any head stride, unit column stride) @ weight[h]^T per head -> [1, H, N]: each head's row its
+    own pass over its matrix, for gemv_per_head_usable() calls. Tiles: _gemv_tiles."""
+    _, h, k = x.shape
+    n = weight.out_features
+    out = torch.empty(1, h, n, dtype=x.dtype, device=x.device)
+    _launch_gemv(x[0], x[0], weight, out[0], n, h, None, False, False, _gemv_tiles(weight, k, bn, bk, warps))
+    return out
+
+
 def per_head_linear(x: torch.Tensor, weight: LinearWeight, quantize: bool = False, cfg: TileConfig | None = None,
                     batch_invariant: bool = False) -> torch.Tensor | quant.Fp8Activations:
     """x [T, H, K] (any token and head strides) @ weight[h]^T per head h -> [T, H, N] in x's dtype, or with
@@ -542,6 +561,11 @@ def per_head_linear(x: torch.Tensor, weight: LinearWeight, quantize: bool = Fals
     n = weight.out_features
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if cfg is None and gemv_per_head_usable(x, weight, batch_invariant):
+        out = gemv_per_head(x, weight)
+        if not quantize:
+            return out
+        return quant.Fp8Activations(*quantize_fp8(out.reshape(t, h * n)), x.dtype)
     if quantize:
         data = torch.empty(t, h * n, dtype=quant.FP8_DTYPE, device=x.device)
         scale = torch.empty(t, h * n // BLOCK, dtype=torch.float32, device=x.device)

@@ -1,12 +1,14 @@
-"""Decode-step GEMV: out[r, n] = sum_k x[r, k] w[n, k] for the one row of a batch-1 decode step, or for each of a
-few rows sorted by expert (a batch-1 step's routed and shared experts, each row its own expert's weight).
+"""Decode-step GEMV: out[r, n] = sum_k x[r, k] w[n, k] for the one row of a batch-1 decode step, for each of a
+few rows sorted by expert (a batch-1 step's routed and shared experts, each row its own expert's weight), or for
+each head's row with its own matrix (MLA's absorbed projections at one token).
 
 At batch 1 a projection reads its whole weight for one row, so all that counts is keeping HBM busy. A GEMM tile
 pads the row to an MMA's 16 and pipelines narrow K steps; here each program takes BN weight rows and loads BK
 columns of them at once (its whole slab when K <= BK), multiplies them by the row in fp32 on the FMA units and
 reduces once per K step. One matrix under PDL: the first K step of the weight (which no earlier kernel writes)
 is loaded before the wait for the previous kernel, so its streaming overlaps that kernel's tail; x is read only
-after the wait. Grouped rows need the previous kernel's group sizes first, so they wait at once.
+after the wait (per-head matrices alike). Grouped rows need the previous kernel's group sizes first, so they wait
+at once.
 
 Weights are 16-bit, or E4M3 with a float32 scale per 128 x 128 block (W_FP8); x is 16-bit (quantised in the
 kernel when the weight is E4M3, with quant_fp8_kernel's own helper), or E4M3 with a scale per 128 columns
@@ -82,8 +84,8 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
         if row >= end:
             return
     else:
-        g = tl.program_id(0) * 0
         row = tl.program_id(0)
+        g = row  # row r's own matrix (per head); one matrix for every row where stride_wg = stride_wsg = 0
     g64 = g.to(tl.int64)
     w_rows = w_ptr + g64 * stride_wg + rn[:, None].to(tl.int64) * stride_wn
     ws_rows = ws_ptr + g64 * stride_wsg + (rn // 128)[:, None] * stride_wsn

@@ -375,3 +375,20 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemm
     if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
         assert gemm.gemv_grouped_fits(x_in, w.to(dev), x_scale)
         assert gemm.gemv_grouped_usable(x_in, w.to(dev), x_scale) == (fmt == "dense")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,k,n", [(4, 128, 512), (3, 200, 136)])
+def test_per_head_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, dtype, h, k, n):
+    """MLA's absorbed projections at one token on the GEMV: each head's row (a strided view, as q[..., :nope]
+    is) times its own matrix, against float64 math and the reference's grouped projection (a head a group)."""
+    dev = cuda_backend.device
+    x = torch.randn(1, h, k + 64, generator=gen).to(dtype)[..., :k]
+    w = LinearWeight.dense((torch.randn(h, n, k, generator=gen) / k**0.5).to(dtype))
+    out = gemm.gemv_per_head(x.to(dev), w.to(dev))
+    assert out.shape == (1, h, n) and out.dtype == dtype
+    assert _rel_err(out, torch.einsum("thk,hnk->thn", x.double(), w.data.double())) < 8e-3  # the output's rounding
+    assert _rel_err(out[0], ref_gemm.grouped_linear(x[0], w, torch.ones(h, dtype=torch.int64))) < 8e-3
+    if dev.type == "cuda":  # the backend's per_head_linear takes one token on the GEMV, more on the tile
+        assert gemm.gemv_per_head_usable(x.to(dev), w.to(dev))
+        assert not gemm.gemv_per_head_usable(torch.cat([x, x]).to(dev), w.to(dev))
