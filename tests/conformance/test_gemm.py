@@ -153,6 +153,24 @@ def test_gated_linear_is_silu_of_gate_times_up(backend, gen, fmt, sizes, dtype):
     assert _rel_err(out.float(), ref) < tol
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_linear_of_a_dense_mlp(backend, gen, fmt, m, dtype):
+    """A dense MLP's gate/up (a 2-D [2I, K] weight; one row is batch-1 decode, on cuda_sm100's gated GEMV)
+    against silu(gate) * up computed in float64 from the reference projection."""
+    k, inter = 256, 128
+    x = torch.randn(m, k, generator=gen)
+    lw = LinearWeight.quantize(torch.randn(2 * inter, k, generator=gen) / k**0.5, fmt)
+    out = backend.gated_linear(x.to(dtype).to(backend.device), lw.to(backend.device))
+    assert out.shape == (m, inter) and out.dtype == dtype
+    xr = x.to(dtype).float()
+    gate_up = (_quant_x_ref(xr) if fmt == "fp8_block" else xr.double()) @ lw.dequantize().double().t()
+    ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    tol = _tol(backend, fmt) if dtype == torch.float32 else max(_tol(backend, fmt), 2e-2)
+    assert _rel_err(out.float(), ref) < tol
+
+
 @pytest.mark.parametrize("m", [1, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_takes_quantised_activations(backend, gen, m, dtype):
