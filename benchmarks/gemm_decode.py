@@ -42,8 +42,14 @@ MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices,
     "v3": dict(hidden=7168, inter=2048, experts=256, top_k=8, shared=1, q_kv_a=1536 + 576, o_in=128 * 128, vocab=129280),
 }
 RESULTS: list[dict] = []
-# (weight rows a program, K step, warps) for the grouped GEMV's sweep: fewer, larger programs than the default's
-GEMV_GROUPED_TILES = [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 2048, 8)]
+# (weight rows a program, K step, warps) for the GEMV's sweeps. The last two hold 128 and 256 E4M3 weights a
+# thread a step: a program's fixed work (the row's quantisation, the reductions) over more weights. An sm_90
+# compile of the grouped E4M3 kernel at K = 2048 (one step) has 13 instructions a weight at 8 x 2048 on 8 warps,
+# 8.3 at 16 x 2048 and 5.8 at 32 x 2048 (242 registers).
+GEMV_GROUPED_TILES = [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 2048, 8),
+                      (16, 2048, 8), (32, 2048, 8)]
+GEMV_DENSE_TILES = [(4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4), (16, 2048, 8),
+                    (32, 2048, 8)]
 COPIES = 8  # distinct weights per timed graph (the lm_head case: 2)
 
 
@@ -231,7 +237,7 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
         # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights)
         ours = lambda i: G.linear(x, ws[i])  # noqa: E731
         if sweep and G.gemv_usable(x, ws[0]):
-            for bn, bk, warps in ((4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4)):
+            for bn, bk, warps in GEMV_DENSE_TILES:
                 runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): G.gemv(x, ws[i], bn=c[0], bk=c[1], warps=c[2])))
         measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, copies, weight_bytes(ws[0], n, k), read, runs, peers)
 
