@@ -392,3 +392,29 @@ def test_per_head_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, dty
     if dev.type == "cuda":  # the backend's per_head_linear takes one token on the GEMV, more on the tile
         assert gemm.gemv_per_head_usable(x.to(dev), w.to(dev))
         assert not gemm.gemv_per_head_usable(torch.cat([x, x]).to(dev), w.to(dev))
+
+
+@pytest.mark.parametrize("fmt,k,want", [
+    ("dense", 2048, (8, 1024, 4)),  # 16 KiB of weight a row group a step
+    ("dense", 1408, (16, 512, 4)),  # 1024-wide steps would pad K by 45%: half the step, twice the rows
+    ("dense", 300, (8, 512, 2)),  # no narrower step pads less: the widest that covers K
+    ("fp8_block", 7168, (8, 2048, 8)),
+    ("fp8_block", 1536, (32, 512, 8)),
+])
+def test_gemv_tiles_pad_k_little_and_keep_the_slab(gemm, gen, fmt, k, want):
+    """The GEMV's default tiles: the widest K step (16 KiB a row group) unless it pads K by more than an eighth,
+    then the widest narrower one that does not (or pads least), with the rows a program scaled to keep the
+    slab; checked by the rule's own terms on fresh widths too."""
+    w = LinearWeight.quantize(torch.randn(16, k, generator=gen).bfloat16(), fmt)
+    assert gemm._gemv_tiles(w, k, None, None, None) == want
+    elt = w.data.element_size()
+    for k in torch.randint(128, 20000, (50,), generator=gen).tolist():
+        bn, bk, warps = gemm._gemv_tiles(w, k, None, None, None)
+        widest = min(2048 // elt, max(128, 1 << (k - 1).bit_length()))
+        padded = lambda step: -(-k // step) * step  # noqa: E731
+        assert bn * bk == 8 * widest and bk >= 128 and warps == max(1, min(8, bn * bk // 2048))
+        narrower = [widest >> i for i in range(4) if widest >> i >= 256]
+        if padded(bk) * 7 > k * 8:  # no candidate pads K by at most an eighth: the least padding
+            assert padded(bk) == min(map(padded, narrower or [widest]))
+        else:  # the widest that pads at most an eighth
+            assert all(padded(s) * 7 > k * 8 for s in narrower if s > bk)
