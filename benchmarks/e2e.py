@@ -237,36 +237,77 @@ def profile_graph_replay(engine, batch: int, replays: int = 5, top: int = 30) ->
     if size is None or engine.backend.device.type != "cuda":
         print("  (no decode graph for this batch)")
         return
+    graphs.replay(size)
+    sync(engine.backend.device)
+    acts = _gpu_activities(lambda: [graphs.replay(size) for _ in range(replays)], engine, ("kernel",))
+    if not acts:
+        print("  (the profiler saw no kernels inside the graph)")
+        return
+    # the pause between two replays is not the graph's: gaps of 50 us or more are left out
+    _print_timeline(acts, replays, f"graph replay, batch {batch}", top, max_gap=50.0)
+
+
+def profile_decode_steps(engine, batch: int, context: int, gen: torch.Generator, steps: int = 8, top: int = 30) -> None:
+    """GPU timeline of whole engine decode steps (graph replay, sampling, the inputs' copies, under overlapped
+    scheduling as served): what ran on the GPU per step, kernels and copies by name, and the idle time between
+    them, which a graph replay's own timeline does not show."""
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    if engine.backend.device.type != "cuda":
+        print("  (no GPU: nothing to profile)")
+        return
+    vocab = engine.config.vocab_size
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"steps-{i}", torch.randint(2, vocab, (context,), generator=gen).tolist(), params)
+    try:
+        first: set[str] = set()
+        while len(first) < batch:  # prefill, then a few decode steps to warm up
+            first.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        for _ in range(4):
+            engine.step()
+        sync(engine.backend.device)
+        acts = _gpu_activities(lambda: [engine.step() for _ in range(steps)], engine,
+                               ("kernel", "gpu_memcpy", "gpu_memset"))
+        if acts:
+            _print_timeline(acts, steps, f"engine decode steps, batch {batch}, context {context}", top)
+    finally:
+        while engine.has_unfinished():
+            engine.step()
+
+
+def _gpu_activities(fn, engine, categories: tuple[str, ...]) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of the GPU activities of these trace categories while fn() runs."""
     import json
     import tempfile
 
-    graphs.replay(size)
-    sync(engine.backend.device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graphs.replay(size)
+        fn()
         sync(engine.backend.device)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
-    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
-    if not kernels:
-        print("  (the profiler saw no kernels inside the graph)")
-        return
+    return sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") in categories)
+
+
+def _print_timeline(acts: list[tuple[float, float, str]], per: int, title: str, top: int,
+                    max_gap: float = float("inf")) -> None:
+    """Busy time against the idle gaps between activities (gaps of max_gap us or more left out), per `per`
+    (steps or replays), and per name its count, mean duration and the idle time before it."""
     stats: dict[str, list[float]] = {}
     busy = gaps = 0.0
-    for i, (ts, dur, name) in enumerate(kernels):
-        gap = 0.0 if i == 0 else max(0.0, ts - (kernels[i - 1][0] + kernels[i - 1][1]))
-        gap = gap if gap < 50 else 0.0  # the pause between two replays is not the graph's
+    for i, (ts, dur, name) in enumerate(acts):
+        gap = 0.0 if i == 0 else max(0.0, ts - (acts[i - 1][0] + acts[i - 1][1]))
+        gap = gap if gap < max_gap else 0.0
         busy, gaps = busy + dur, gaps + gap
         row = stats.setdefault(name[:70], [0, 0.0, 0.0])
         row[0], row[1], row[2] = row[0] + 1, row[1] + dur, row[2] + gap
-    print(f"  graph replay, batch {batch}: {len(kernels) / replays:.0f} kernels per step, "
-          f"{busy / replays:.0f} us of kernels + {gaps / replays:.0f} us of gaps between them per step")
-    print(f"  {'kernel':<70} {'per step':>8} {'us each':>8} {'us/step':>8} {'gap us/step':>11}")
+    print(f"  {title}: {len(acts) / per:.0f} activities per step, "
+          f"{busy / per:.0f} us of them + {gaps / per:.0f} us of gaps between them per step")
+    print(f"  {'kernel / copy':<70} {'per step':>8} {'us each':>8} {'us/step':>8} {'gap us/step':>11}")
     for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
-        print(f"  {name:<70} {n / replays:>8.0f} {dur / n:>8.2f} {dur / replays:>8.1f} {gap / replays:>11.1f}")
+        print(f"  {name:<70} {n / per:>8.0f} {dur / n:>8.2f} {dur / per:>8.1f} {gap / per:>11.1f}")
 
 
 def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25) -> None:
@@ -343,6 +384,8 @@ def main() -> None:
     p.add_argument("--profile-graph", action="store_true",
                    help="timeline of decode graph replays at --profile-batches: kernel time against launch gaps")
     p.add_argument("--profile-host", action="store_true", help="--profile's decode steps by host time per operator")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="GPU timeline of whole engine decode steps at --profile-batches (graph, sampling, copies)")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model with the same structure (script test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -421,6 +464,9 @@ def main() -> None:
         if args.profile_graph:
             for batch in args.profile_batches:
                 profile_graph_replay(engine, batch)
+        if args.profile_steps:
+            for batch in (b for b in args.profile_batches if b <= engine.engine_config.max_num_seqs):
+                profile_decode_steps(engine, batch, args.contexts[0], gen)
         if args.profile:
             for batch in (b for b in args.profile_batches if b <= engine.engine_config.max_num_seqs):  # more would queue
                 by = "host operators by CPU time" if args.profile_host else "kernels by CUDA time"
