@@ -161,7 +161,8 @@ def test_gated_linear_of_a_dense_mlp(backend, gen, fmt, m, dtype):
     against silu(gate) * up computed in float64 from the reference projection."""
     k, inter = 256, 128
     x = torch.randn(m, k, generator=gen)
-    lw = LinearWeight.quantize(torch.randn(2 * inter, k, generator=gen) / k**0.5, fmt)
+    # 16-bit rows meet a weight of their dtype, as in a model (what the dense GEMV takes)
+    lw = LinearWeight.quantize((torch.randn(2 * inter, k, generator=gen) / k**0.5).to(dtype), fmt)
     out = backend.gated_linear(x.to(dtype).to(backend.device), lw.to(backend.device))
     assert out.shape == (m, inter) and out.dtype == dtype
     xr = x.to(dtype).float()
