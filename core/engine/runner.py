@@ -13,7 +13,7 @@ from deepinfer.engine.cuda_graphs import DecodeGraphs, reserve_sink
 from deepinfer.engine.overlap import resolve_inputs
 from deepinfer.model.context import ForwardContext
 from deepinfer.model.deepseek import DeepseekModel
-from deepinfer.transfer import take_rows, to_device
+from deepinfer.transfer import take_rows
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ModelRunner:
         pending_tokens: the tokens sampled by the step still in flight (on the device); input ids written
         as overlap.pending_input(row) are taken from it."""
         device = self.backend.device
-        ids = resolve_inputs(to_device(input_ids, torch.int64, device), pending_tokens)
+        ids = resolve_inputs(input_ids, pending_tokens, device)
         graphed = self.graphs is not None and not capture_layers and self.graphs.serves(batch, logit_rows)
         size = capacity = None
         if self.agree is not None:
