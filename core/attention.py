@@ -151,9 +151,11 @@ class AttentionPlan:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
 
-    @classmethod
-    def build(cls, batch: AttentionBatch, spec: KVCacheSpec, device: torch.device, **extra) -> AttentionPlan:
-        """Validate `batch` against `spec` and lay out the common tensors on `device`."""
+    @staticmethod
+    def host_rows(batch: AttentionBatch, spec: KVCacheSpec) -> tuple[list[int], ...]:
+        """Validate `batch` against `spec`; the common tensors' values as host lists: query_start_loc,
+        seq_lens, the block table flattened with rows padded by 0 to the step's widest, slot_mapping,
+        positions."""
         batch.validate_for(spec)
         bs = spec.block_size
         starts = [0]
@@ -169,14 +171,20 @@ class AttentionPlan:
             for p in range(s - q, s):
                 slots.append(table[p // bs] * bs + p % bs)
             positions.extend(range(s - q, s))
+        return starts, list(batch.seq_lens), flat_table, slots, positions
+
+    @classmethod
+    def build(cls, batch: AttentionBatch, spec: KVCacheSpec, device: torch.device, **extra) -> AttentionPlan:
+        """Validate `batch` against `spec` and lay out the common tensors on `device`."""
+        starts, lens, flat_table, slots, positions = cls.host_rows(batch, spec)
         starts_t, lens_t, table_t, slots_t, pos_t = to_device_many(
-            [starts, batch.seq_lens, flat_table, slots, positions], torch.int64, device)
+            [starts, lens, flat_table, slots, positions], torch.int64, device)
         return cls(
             batch=batch,
             spec=spec,
             query_start_loc=starts_t.to(torch.int32),
             seq_lens=lens_t.to(torch.int32),
-            block_table=table_t.to(torch.int32).view(len(used), width),
+            block_table=table_t.to(torch.int32).view(batch.num_seqs, -1),
             slot_mapping=slots_t,
             positions=pos_t,
             **extra,

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -33,6 +34,7 @@ from deepinfer.backends.cuda_sm100 import mla_launch as L
 from deepinfer.backends.reference import attention as ref
 from deepinfer.errors import InvalidInputError
 from deepinfer.quant import FP8_BLOCK, cdiv
+from deepinfer.transfer import host_tensor
 
 SPLIT_MAX_QLEN = 8  # sequences with more queries than this are not KV-split (row tiles give parallelism)
 MAX_RANK, MAX_ROPE = 512, 128
@@ -67,6 +69,9 @@ class MLAPlan(AttentionPlan):
     max_blocks: int = 0
     # Per (heads, rank): float32 partial outputs and lses, allocated at the first run, reused by every layer.
     workspace: dict = field(default_factory=dict, repr=False)
+    # A plan made for a CUDA graph (max_seq_len): one int32 buffer that every tensor above views, so that a
+    # step's replan (into=) is one host-to-device copy (see _ARENA_INT64 / _ARENA_INT32)
+    arena: torch.Tensor | None = field(default=None, repr=False)
 
 
 # --- plan ---------------------------------------------------------------------------------------------
@@ -203,7 +208,7 @@ def plan_mla(
         table[:, : common["block_table"].shape[1]] = common["block_table"]
         common["block_table"] = table
     meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, dec, pre, device)
-    return MLAPlan(
+    plan = MLAPlan(
         **common, split_tokens=split or 0, batch_invariant=batch_invariant, meta=meta, tok_seq=tok_seq,
         dec_items=dec_t, pre_items=pre_t,
         dec_max_qlen=max((batch.query_lens[i] for i, *_ in dec), default=0),
@@ -214,24 +219,50 @@ def plan_mla(
         split_capacity=max((cdiv(max(s, cap_len), split) for q, s in zip(batch.query_lens, batch.seq_lens)
                             if split and q <= SPLIT_MAX_QLEN), default=1),
     )
+    return plan if max_seq_len is None else _in_arena(plan)
 
 
-def _pack(batch, seq_split, dec, pre, device):
-    """All schedule integers in one host tensor, copied to the device at once, then viewed apart."""
-    b, t = batch.num_seqs, batch.num_tokens
+def _schedule_rows(batch, seq_split, dec, pre) -> list[int]:
+    """The schedule's integers, flat: meta [5, B], tok_seq [T], dec_items [n, 4], pre_items [m, 4]."""
     starts = [0]
     for q in batch.query_lens:
         starts.append(starts[-1] + q)
     meta = [starts[:-1], list(batch.query_lens), list(batch.seq_lens),
             [n for n, _ in seq_split], [s for _, s in seq_split]]
     tok_seq = [i for i, q in enumerate(batch.query_lens) for _ in range(q)]
-    flat = [v for row in meta for v in row] + tok_seq + [v for it in dec for v in it] + [v for it in pre for v in it]
-    host = torch.tensor(flat, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
+    return [v for row in meta for v in row] + tok_seq + [v for it in dec for v in it] + [v for it in pre for v in it]
+
+
+def _pack(batch, seq_split, dec, pre, device):
+    """All schedule integers in one host tensor, copied to the device at once, then viewed apart."""
+    b, t = batch.num_seqs, batch.num_tokens
+    host = torch.tensor(_schedule_rows(batch, seq_split, dec, pre), dtype=torch.int32)
+    dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
     o1, o2, o3 = _META_ROWS * b, _META_ROWS * b + t, _META_ROWS * b + t + 4 * len(dec)
     return (dev[:o1].view(_META_ROWS, b), dev[o1:o2], dev[o2:o3].view(-1, 4), dev[o3:].view(-1, 4))
+
+
+# A graph plan's tensors in its arena, in this order: the int64 ones first (8-byte aligned), then the int32
+# ones, the schedule's four last in _schedule_rows' order.
+_ARENA_INT64 = ("slot_mapping", "positions")
+_ARENA_INT32 = ("query_start_loc", "seq_lens", "block_table", "meta", "tok_seq", "dec_items", "pre_items")
+
+
+def _in_arena(plan: MLAPlan) -> MLAPlan:
+    """The plan with every tensor a view of one int32 device buffer (values copied in)."""
+    sizes64 = [getattr(plan, name).numel() for name in _ARENA_INT64]
+    sizes32 = [getattr(plan, name).numel() for name in _ARENA_INT32]
+    arena = torch.empty(2 * sum(sizes64) + sum(sizes32), dtype=torch.int32, device=plan.seq_lens.device)
+    views, at = {}, 0
+    for name, n in zip(_ARENA_INT64, sizes64):
+        views[name] = arena[at : at + 2 * n].view(torch.int64).view(getattr(plan, name).shape)
+        at += 2 * n
+    for name, n in zip(_ARENA_INT32, sizes32):
+        views[name] = arena[at : at + n].view(getattr(plan, name).shape)
+        at += n
+    for name, view in views.items():
+        view.copy_(getattr(plan, name))
+    return dataclasses.replace(plan, arena=arena, **views)
 
 
 def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device):
@@ -252,8 +283,9 @@ def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device)
 
 
 def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLAPlan:
-    if not isinstance(plan, MLAPlan) or plan.fallback:
-        raise InvalidInputError("into= needs a kernel plan made by plan_attention (not a reference fallback)")
+    if not isinstance(plan, MLAPlan) or plan.fallback or plan.arena is None:
+        raise InvalidInputError("into= needs a kernel plan made by plan_attention with max_seq_len (a graph's plan; "
+                                "not a reference fallback)")
     old = plan.batch
     if spec != plan.spec or batch.query_lens != old.query_lens:
         raise InvalidInputError(
@@ -262,10 +294,12 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
         )
     device = plan.seq_lens.device
     n_cap = plan.dec_items.shape[0]
-    fresh = AttentionPlan.build(batch, spec, device)  # validates the batch; the common tensors to copy in
-    if fresh.block_table.shape[1] > plan.max_blocks:
-        raise InvalidInputError(f"the step needs {fresh.block_table.shape[1]} blocks per sequence; the captured plan "
+    width = max(cdiv(s, spec.block_size) for s in batch.seq_lens)
+    if width > plan.max_blocks:
+        raise InvalidInputError(f"the step needs {width} blocks per sequence; the captured plan "
                                 f"holds {plan.max_blocks} (plan it with a larger max_seq_len)")
+    # validates the batch; the common tensors' values (block-table rows at the step's own width)
+    starts, lens, table, slot_map, positions = AttentionPlan.host_rows(batch, spec)
     # Schedule within the captured plan's capacities, so item and slot layouts line up.
     split, (dec, pre, seq_split, slots) = _schedule_within(batch, plan, device)
     real = [it for it in dec if it[3] != -2]
@@ -276,17 +310,19 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
                  pre_max_span=max((hi - lo for _, lo, hi, _ in pre), default=0),
                  max_splits=max(n for n, _ in seq_split))
     real += [(0, 0, 0, -2)] * (n_cap - len(real))
-    meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, real, pre, device)
-    plan.meta.copy_(meta)
-    plan.tok_seq.copy_(tok_seq)
-    plan.dec_items.copy_(dec_t)
-    plan.pre_items.copy_(pre_t)
-    plan.seq_lens.copy_(fresh.seq_lens)
-    plan.block_table.zero_()
-    plan.block_table[:, : fresh.block_table.shape[1]].copy_(fresh.block_table)
-    plan.slot_mapping.copy_(fresh.slot_mapping)
-    plan.positions.copy_(fresh.positions)
-    plan.query_start_loc.copy_(fresh.query_start_loc)
+    # The whole step in one host-to-device copy, laid out as _in_arena laid out the plan: a fresh pinned
+    # buffer each step (the copy may still be pending when the next step is planned), filled by C loops.
+    host = torch.empty(plan.arena.numel(), dtype=torch.int32, pin_memory=device.type == "cuda")
+    n64 = len(slot_map) + len(positions)
+    host[: 2 * n64].view(torch.int64).copy_(host_tensor(chain(slot_map, positions), torch.int64))
+    b, at = batch.num_seqs, 2 * n64
+    host[at : at + 2 * b + 1].copy_(host_tensor(chain(starts, lens), torch.int32))
+    at += 2 * b + 1
+    rows = host[at : at + b * plan.max_blocks].view(b, plan.max_blocks)
+    rows.zero_()
+    rows[:, :width].copy_(host_tensor(table, torch.int32).view(b, width))
+    host[at + b * plan.max_blocks :].copy_(host_tensor(_schedule_rows(batch, seq_split, real, pre), torch.int32))
+    plan.arena.copy_(host, non_blocking=True)
     return dataclasses.replace(plan, batch=batch, split_tokens=split or 0, **spans)
 
 

@@ -352,6 +352,40 @@ def test_replan_into_rejects_other_shapes(kern):
     assert plan.max_splits == 2 and plan.split_capacity == grown.split_capacity == 4 >= grown.max_splits
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_replan_into_holds_what_a_fresh_plan_holds(kern, ref, gen, kv_dtype):
+    """A graph's plan re-planned in place (one copy into its arena) for steps of other lengths and blocks: the
+    same common tensors as a fresh plan of the step (block-table rows zero past the step's width), never a new
+    tensor, and attention through it equals the reference's."""
+    bs, max_len = 16, 96
+    spec = KVCacheSpec(40, bs, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, 3, HEADS[0], gen, scale=0.3)
+    blocks = torch.randperm(40, generator=gen).tolist()
+
+    def step(lens):
+        tables, at = [], 0
+        for s in lens:
+            tables.append(tuple(blocks[at : at + cdiv(s, bs)]))
+            at += cdiv(s, bs)
+        return AttentionBatch((1, 1, 1), tuple(lens), tuple(tables))
+
+    plan = kern.plan_attention(step((20, 7, 33)), spec, max_seq_len=max_len)
+    arena = plan.arena
+    for _ in range(3):
+        lens = torch.randint(1, max_len + 1, (3,), generator=gen).tolist()
+        plan = kern.plan_attention(step(lens), spec, into=plan)
+        fresh = kern.plan_attention(step(lens), spec)
+        assert plan.arena is arena and plan.block_table.data_ptr() >= arena.data_ptr()
+        for name in ("query_start_loc", "seq_lens", "slot_mapping", "positions"):
+            assert torch.equal(getattr(plan, name), getattr(fresh, name)), name
+        w = fresh.block_table.shape[1]
+        assert torch.equal(plan.block_table[:, :w], fresh.block_table) and not plan.block_table[:, w:].any()
+        out = kern.run_attention(plan, cache, q, qp, 0.1)
+        want = ref.run_attention(ref.plan_attention(step(lens), spec), cache.cpu(), q.cpu(), qp.cpu(), 0.1)
+        torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("cvt", [0, 1])
 def test_fp8_operand_conversion_is_exact_for_every_code(kern, cvt):
     """Both E4M3 -> bf16 operand conversions, over all 254 finite codes (subnormals and -0 included)."""
