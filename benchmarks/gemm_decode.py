@@ -35,7 +35,7 @@ import gemm as B  # benchmarks/gemm.py: timing, FP8 weights, tile names
 from deepinfer import quant
 from deepinfer.weights import LinearWeight
 
-from deepinfer.backends.cuda_sm100 import gemm as G
+from deepinfer.backends.cuda_sm100 import gemm as G, gemv as V
 
 MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices, q + kv_a width, o_proj in, vocab
     "v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6, shared=2, q_kv_a=16 * 192 + 576, o_in=16 * 128, vocab=102400),
@@ -162,8 +162,8 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
         runs.append(("unfused default + silu (the model where gemm.fuse_gate_up says no)", unfused))
         runs += [("unfused " + B.cfg_name(c) + " + silu", lambda i, c=c: unfused(i, c))
                  for c in candidates(rows, bk, False) if c.split_k > 1]
-        if G.gemv_grouped_fits(x, gate_up[0]):
-            runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: G.gemv_grouped(
+        if V.gemv_grouped_fits(x, gate_up[0]):
+            runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: V.gemv_grouped(
                 x, gate_up[i], sizes, gated=True, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
     peers = []
     if not fp8:
@@ -183,8 +183,8 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
         return G.grouped_linear(hidden, down[i], sizes, cfg=cfg, validate=False)
 
     runs = [(B.cfg_name(c), lambda i, c=c: down_run(i, c)) for c in (candidates(rows, bk, False) if sweep else [])]
-    if sweep and G.gemv_grouped_fits(hidden, down[0]):
-        runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: G.gemv_grouped(
+    if sweep and V.gemv_grouped_fits(hidden, down[0]):
+        runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: V.gemv_grouped(
             hidden, down[i], sizes, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
     peers = []
     if not fp8:
@@ -236,9 +236,9 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
             runs.append(("Triton tile", lambda i: G.linear(x, ws[i], dense_triton=True)))
         # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights)
         ours = lambda i: G.linear(x, ws[i])  # noqa: E731
-        if sweep and G.gemv_usable(x, ws[0]):
+        if sweep and V.gemv_usable(x, ws[0]):
             for bn, bk, warps in GEMV_DENSE_TILES:
-                runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): G.gemv(x, ws[i], bn=c[0], bk=c[1], warps=c[2])))
+                runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): V.gemv(x, ws[i], bn=c[0], bk=c[1], warps=c[2])))
         measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, copies, weight_bytes(ws[0], n, k), read, runs, peers)
 
 

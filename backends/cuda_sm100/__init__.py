@@ -168,12 +168,12 @@ class CudaSM100Backend(ReferenceBackend):
         return super().per_head_linear(x, weight, quantize=quantize)
 
     def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
-        from deepinfer.backends.cuda_sm100 import gemm
+        from deepinfer.backends.cuda_sm100 import gemm, gemv
 
         # A dense MLP's one decode row: the GEMV with SiLU-and-mul in its epilogue (one launch).
         if (group_sizes is None and gate_up.out_features % 2 == 0 and self._triton_runs_here()
-                and gemm.gemv_usable(x, gate_up, self.batch_invariant)):
-            return gemm.gemv(x, gate_up, gated=True)
+                and gemv.gemv_usable(x, gate_up, self.batch_invariant)):
+            return gemv.gemv(x, gate_up, gated=True)
         # Experts at decode sizes: SiLU-and-mul in the grouped GEMM's epilogue (one launch, and no [M, 2I]
         # intermediate). Larger batches keep the plain grouped GEMM's wider tiles (see gemm.fuse_gate_up);
         # batch-invariant mode keeps one path for every size.

@@ -33,6 +33,13 @@ def gemm():
     return gemm
 
 
+@pytest.fixture
+def gemv():
+    from deepinfer.backends.cuda_sm100 import gemv
+
+    return gemv
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
     assert out.shape == ref.shape
@@ -322,7 +329,7 @@ def test_group_tile_map_covers_every_row_once(cuda_backend, gen):
                                         ("fp8_block", "fp32"), ("fp8_block", "fp8_activations")])
 @pytest.mark.parametrize("k,n,bk", [(200, 37, None), (300, 64, 128), (1024, 300, 256), (65, 9, None)])
 @pytest.mark.parametrize("gated", [False, True])
-def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, fmt, x_kind, k, n, bk, gated):
+def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemv, fmt, x_kind, k, n, bk, gated):
     """The batch-1 GEMV: K steps that do not divide K, N not a multiple of the program's rows (nor of 128, the FP8
     blocks); dense 16-bit weights, and FP8 block weights meeting 16-bit rows (quantised in the kernel, as the
     GEMM path quantises them) or already-quantised ones. Against the reference backend's linear on the same
@@ -338,21 +345,21 @@ def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, fmt, x_kind,
     if gated:
         ref = silu_and_mul(ref)
     x_dev = quant.Fp8Activations(x.data.to(dev), x.scale.to(dev), x.dtype) if x_kind == "fp8_activations" else x.to(dev)
-    out = gemm.gemv(x_dev, w.to(dev), gated, bk=bk)
+    out = gemv.gemv(x_dev, w.to(dev), gated, bk=bk)
     assert out.dtype == ref.dtype == dtype and out.shape == (1, n)
     assert _rel_err(out, ref) < {torch.bfloat16: 8e-3, torch.float16: 1e-3}.get(dtype, 1e-5)  # the output's rounding
     if fmt == "fp8_block" and x_kind != "fp8_activations":  # quantised in the kernel = quantised ahead, bit for bit
         q, s = quant.quantize_fp8_per_token_group(x.float())
         ahead = quant.Fp8Activations(q.to(dev), s.to(dev), dtype)
-        assert torch.equal(gemm.gemv(ahead, w.to(dev), gated, bk=bk), out)
+        assert torch.equal(gemv.gemv(ahead, w.to(dev), gated, bk=bk), out)
     if dev.type == "cuda":  # the backend's linear takes one row on the GEMV
-        assert gemm.gemv_usable(x_dev, w.to(dev))
+        assert gemv.gemv_usable(x_dev, w.to(dev))
 
 
 @pytest.mark.parametrize("fmt,x_kind", [("dense", "bf16"), ("fp8_block", "bf16"), ("fp8_block", "fp8")])
 @pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 0, 0, 1], [0, 2, 0, 1, 3], [1]], ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("gated", [False, True])
-def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemm, fmt, x_kind, sizes, gated):
+def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv, fmt, x_kind, sizes, gated):
     """Rows sorted by expert (empty groups, a group of several rows, one group) each times its expert's weight on
     the grouped GEMV: as grouped_linear (16-bit rows, quantised in the kernel for E4M3 weights, or E4M3 rows with
     their scales) and as gate_up_silu; against the reference's per-group projections, and bit for bit between
@@ -367,31 +374,31 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemm
     ref = ref_gemm.grouped_linear(x, w, torch.tensor(sizes))  # E4M3 weights: the reference quantises x as above
     if gated:
         ref = silu_and_mul(ref)
-    out = gemm.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated)
+    out = gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert _rel_err(out, ref) < 8e-3  # the output's rounding
     if fmt == "fp8_block" and x_kind == "bf16":
-        assert torch.equal(gemm.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
+        assert torch.equal(gemv.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
     if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
-        assert gemm.gemv_grouped_fits(x_in, w.to(dev), x_scale)
-        assert gemm.gemv_grouped_usable(x_in, w.to(dev), x_scale) == (fmt == "dense")
+        assert gemv.gemv_grouped_fits(x_in, w.to(dev), x_scale)
+        assert gemv.gemv_grouped_usable(x_in, w.to(dev), x_scale) == (fmt == "dense")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h,k,n", [(4, 128, 512), (3, 200, 136)])
-def test_per_head_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, dtype, h, k, n):
+def test_per_head_decode_gemv_matches_the_reference(cuda_backend, gen, gemv, dtype, h, k, n):
     """MLA's absorbed projections at one token on the GEMV: each head's row (a strided view, as q[..., :nope]
     is) times its own matrix, against float64 math and the reference's grouped projection (a head a group)."""
     dev = cuda_backend.device
     x = torch.randn(1, h, k + 64, generator=gen).to(dtype)[..., :k]
     w = LinearWeight.dense((torch.randn(h, n, k, generator=gen) / k**0.5).to(dtype))
-    out = gemm.gemv_per_head(x.to(dev), w.to(dev))
+    out = gemv.gemv_per_head(x.to(dev), w.to(dev))
     assert out.shape == (1, h, n) and out.dtype == dtype
     assert _rel_err(out, torch.einsum("thk,hnk->thn", x.double(), w.data.double())) < 8e-3  # the output's rounding
     assert _rel_err(out[0], ref_gemm.grouped_linear(x[0], w, torch.ones(h, dtype=torch.int64))) < 8e-3
     if dev.type == "cuda":  # the backend's per_head_linear takes one token on the GEMV, more on the tile
-        assert gemm.gemv_per_head_usable(x.to(dev), w.to(dev))
-        assert not gemm.gemv_per_head_usable(torch.cat([x, x]).to(dev), w.to(dev))
+        assert gemv.gemv_per_head_usable(x.to(dev), w.to(dev))
+        assert not gemv.gemv_per_head_usable(torch.cat([x, x]).to(dev), w.to(dev))
 
 
 @pytest.mark.parametrize("fmt,k,want", [
@@ -401,15 +408,15 @@ def test_per_head_decode_gemv_matches_the_reference(cuda_backend, gen, gemm, dty
     ("fp8_block", 7168, (8, 2048, 8)),
     ("fp8_block", 1536, (32, 512, 8)),
 ])
-def test_gemv_tiles_pad_k_little_and_keep_the_slab(gemm, gen, fmt, k, want):
+def test_gemv_tiles_pad_k_little_and_keep_the_slab(gemv, gen, fmt, k, want):
     """The GEMV's default tiles: the widest K step (16 KiB a row group) unless it pads K by more than an eighth,
     then the widest narrower one that does not (or pads least), with the rows a program scaled to keep the
     slab; checked by the rule's own terms on fresh widths too."""
     w = LinearWeight.quantize(torch.randn(16, k, generator=gen).bfloat16(), fmt)
-    assert gemm._gemv_tiles(w, k, None, None, None) == want
+    assert gemv.default_tiles(w, k, None, None, None) == want
     elt = w.data.element_size()
     for k in torch.randint(128, 20000, (50,), generator=gen).tolist():
-        bn, bk, warps = gemm._gemv_tiles(w, k, None, None, None)
+        bn, bk, warps = gemv.default_tiles(w, k, None, None, None)
         widest = min(2048 // elt, max(128, 1 << (k - 1).bit_length()))
         padded = lambda step: -(-k // step) * step  # noqa: E731
         assert bn * bk == 8 * widest and bk >= 128 and warps == max(1, min(8, bn * bk // 2048))
