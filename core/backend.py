@@ -197,7 +197,9 @@ class Backend(ABC):
     def per_head_linear(self, x: torch.Tensor, weight: LinearWeight, *, quantize: bool = False
                         ) -> torch.Tensor | Fp8Activations:
         """x [T, H, K] @ weight[h]^T for each head h (weight stacked [H, N, K]) -> [T, H, N] in x's dtype: MLA's
-        absorbed projections. quantize: the rows [T, H * N] as Fp8Activations, ready for an FP8 projection.
+        absorbed projections. quantize (the rows feed an FP8 projection): the rows [T, H * N] as Fp8Activations,
+        or, where this backend's linear would quantise them itself to the same bits, the plain rows; callers
+        hand either to linear.
         By default a grouped_linear with heads as groups, with transposed copies around it; a backend may read
         and write the per-token layout in place."""
         check_per_head(x, weight)

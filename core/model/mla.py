@@ -94,7 +94,8 @@ class MLAttention:
         q_latent = be.per_head_linear(q_nope, self.w_uk_t)
         out_latent = be.run_attention(ctx.plan, cache, q_latent, q_pe, self.softmax_scale)
         out = be.per_head_linear(out_latent, self.w_uv, quantize=self.fp8_o_input)
-        return be.linear(out if self.fp8_o_input else out.reshape(t, self.num_heads * self.v_dim), self.o_proj)
+        return be.linear(out if isinstance(out, Fp8Activations) else out.reshape(t, self.num_heads * self.v_dim),
+                         self.o_proj)
 
     def _decompressed(self, ctx: ForwardContext, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """Each sequence's keys and values rebuilt from its cached latents, then causal dense attention of its
