@@ -153,6 +153,11 @@ def pick_config(rows: int, n: int, k: int, b_kind: int, layout: int, device: tor
         cfg = TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=4) if wide_n else TileConfig(bm=64, bn=64, bk=bk, warps=4, stages=stages)
     elif fp8:
         return TileConfig(bm=64, bn=128, bk=bk, warps=4, stages=_fp8_large_m_stages(rows, n, k, sms), group_m=16, tma=True)
+    elif b_kind == 2:
+        # NVFP4 weight-only is bound by decoding B: 256 rows a tile decode each B tile for twice the rows of a
+        # 128 x 128 tile. H200, M = 4096, 7168x2048 / 2112x7168 / 4096x7168: 247 / 246 / 266 TFLOPS against
+        # 104 / 88 / 101 (benchmarks/RESULTS.md issue 9, twentieth session).
+        return TileConfig(bm=256, bn=64, bk=bk, warps=8, stages=3)
     else:
         return TileConfig(bm=128, bn=128, bk=bk, warps=8, stages=3, tma=True)
     tiles = cdiv(rows, cfg.bm) * cdiv(n, cfg.bn)

@@ -80,21 +80,19 @@ def quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
 
 @triton.jit
 def _nvfp4_tile(p_ptrs, s_ptrs, kmask_p, kmask_s, BN: tl.constexpr, BK: tl.constexpr):
-    """Packed E2M1 [BN, BK/2] + e4m3 scales [BN, BK/16] -> e2m1 * block scale as float32 [BN, BK] (exact)."""
-    p = tl.load(p_ptrs, mask=kmask_p, other=0).to(tl.int32)
+    """Packed E2M1 [BN, BK/2] + e4m3 scales [BN, BK/16] -> e2m1 * block scale as float32 [BN, BK] (exact).
+
+    Each code becomes float32 by bit placement: sign to bit 31, the three magnitude bits to 24-22, which is the
+    E2M1 value times 2^-126 (code 1, 0.5, lands as a denormal). Times the scale (a denormal product at worst,
+    exact: five significant bits) and 2^126, it is e2m1 * scale exactly, in a few integer ops and two multiplies
+    where decoding exponent and mantissa apart took selects and conversions per weight."""
+    p = tl.load(p_ptrs, mask=kmask_p, other=0).to(tl.uint32)
     s = tl.load(s_ptrs, mask=kmask_s, other=0.0).to(tl.float32)
-    lo = p & 0xF
-    hi = p >> 4
+    lo = ((p & 0x8) << 28) | ((p & 0x7) << 22)
+    hi = ((p & 0x80) << 24) | ((p & 0x70) << 18)
     codes = tl.reshape(tl.join(lo, hi), (BN, BK))  # element 2i is the low nibble
-    mag_code = codes & 0x7
-    e = mag_code >> 1
-    m = (mag_code & 1).to(tl.float32)
-    # codes 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6: e == 0 is subnormal (0.5 * m), else 2^(e-1) * (1 + m/2)
-    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
-    mag = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
-    val = tl.where((codes & 0x8) != 0, -mag, mag)
-    val = tl.reshape(val, (BN, BK // 16, 16)) * s[:, :, None]
-    return tl.reshape(val, (BN, BK))
+    val = tl.reshape(codes.to(tl.float32, bitcast=True), (BN, BK // 16, 16)) * s[:, :, None]
+    return tl.reshape(val, (BN, BK)) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit

@@ -69,13 +69,14 @@ def test_linear_matches_float64(backend, gen, fmt, m, k, n):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_linear_bf16_input_and_leading_dims(backend, gen, fmt):
-    x = torch.randn(2, 3, 200, generator=gen).bfloat16()
+@pytest.mark.parametrize("lead", [(2, 3), (3, 100)])  # 300 rows: the large-M tiles (ragged past 256 rows on a GPU)
+def test_linear_bf16_input_and_leading_dims(backend, gen, fmt, lead):
+    x = torch.randn(*lead, 200, generator=gen).bfloat16()
     lw = LinearWeight.quantize(torch.randn(136, 200, generator=gen).bfloat16(), fmt).to(backend.device)
     out = backend.linear(x.to(backend.device), lw)
-    assert out.shape == (2, 3, 136) and out.dtype == torch.bfloat16
+    assert out.shape == (*lead, 136) and out.dtype == torch.bfloat16
     # Only the final rounding to bf16 separates the output from the exact product.
-    ref = _reference(x.reshape(6, 200).float(), lw).reshape(2, 3, 136)
+    ref = _reference(x.reshape(-1, 200).float(), lw).reshape(*lead, 136)
     assert ((out.cpu().double() - ref).abs() <= ref.abs() * 2.0**-8 + _tol(backend, fmt) * ref.abs().max()).all()
 
 
