@@ -17,7 +17,7 @@ import torch
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import ConfigError, InvalidInputError
-from deepinfer.ops import FusedOps, RoutingSpec, append_shared_experts
+from deepinfer.ops import FusedOps, RoutingSpec, append_shared_experts, check_argmax
 from deepinfer.ops.rope import check_mla_rope_and_norm
 from deepinfer.weights import LinearWeight, WeightFormat
 
@@ -166,6 +166,14 @@ class CudaFusedOps(FusedOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return gemm.silu_and_mul(x)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        check_argmax(x)
+        if not _triton_device(x) or x.stride(-1) != 1 or x.shape[1] >= 2**31:
+            return super().argmax(x)
+        from deepinfer.backends.cuda_sm100.argmax_kernels import argmax_rows
+
+        return argmax_rows(x)
 
     def silu_and_mul_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """silu_and_mul rounded to x's dtype, then quantised per token per 128 channels, in one kernel."""

@@ -368,7 +368,8 @@ class LLMEngine:
             raw = take_rows(step_out.logits, rows)
             logits = self._penalize_deferred(raw.float(), draws, pending)
             tokens = sample_rows_device(logits, [r.params for r, _, _ in draws],
-                                        [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws])
+                                        [completion_seed(r.seed, i) for r, i, _ in draws], [s.num_tokens for _, _, s in draws],
+                                        self.backend.ops.argmax)
             if wanted:
                 sel = to_device(wanted, torch.int64, device)
                 top = max(draws[j][0].params.logprobs for j in wanted)
@@ -539,7 +540,7 @@ class LLMEngine:
             rows = torch.tensor([draws[i][3] for i in batched], dtype=torch.int64, device=logits.device)
             picked = sample_rows(logits.index_select(0, rows), [draws[i][0].params for i in batched],
                                  [completion_seed(draws[i][0].seed, draws[i][1]) for i in batched],
-                                 [draws[i][2].num_tokens for i in batched])
+                                 [draws[i][2].num_tokens for i in batched], self.backend.ops.argmax)
             for i, token in zip(batched, picked):
                 tokens[i] = token
         return tokens

@@ -11,13 +11,19 @@ the user are those of the raw model distribution.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from deepinfer.engine.outputs import Logprob, PositionLogprobs
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.transfer import to_device
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(x, dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> torch.Tensor:
@@ -142,26 +148,28 @@ def needs_row_processing(params: SamplingParams) -> bool:
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                positions: Sequence[int]) -> list[int]:
+                positions: Sequence[int], argmax: Argmax | None = None) -> list[int]:
     """Tokens for the rows of logits [R, V] (penalties already applied): greedy rows by one argmax, the
-    others by the keyed exponential race over their filtered distributions; one copy to the host in all."""
+    others by the keyed exponential race over their filtered distributions; one copy to the host in all.
+    argmax: [R, V] -> int64 [R], torch.argmax's choices (a backend's FusedOps.argmax); torch.argmax if None."""
     if not len(params):
         return []
-    return sample_rows_device(logits, params, seeds, positions).tolist()
+    return sample_rows_device(logits, params, seeds, positions, argmax).tolist()
 
 
 def sample_rows_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-                       positions: Sequence[int]) -> torch.Tensor:
+                       positions: Sequence[int], argmax: Argmax | None = None) -> torch.Tensor:
     """sample_rows() as an int64 tensor on the logits' device, without waiting for it."""
     x = logits.float()
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    choice = torch.argmax(x, dim=-1)
+    pick = argmax or _torch_argmax
+    choice = pick(x)
     if sampled:
         rows = to_device(sampled, torch.int64, x.device)
         sub = x.index_select(0, rows)
         probs = apply_filters_rows(sub, [params[i] for i in sampled]).softmax(-1)
         noise = keyed_exponential([seeds[i] for i in sampled], [positions[i] for i in sampled], x.shape[-1], x.device)
-        choice = choice.index_copy(0, rows, torch.argmax(probs / noise, dim=-1))
+        choice = choice.index_copy(0, rows, pick(probs / noise))
     return choice
 
 

@@ -11,6 +11,7 @@ import torch
 
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
 from deepinfer.ops.norm import add_rms_norm, rms_norm, silu_and_mul
 from deepinfer.ops.prefill_attention import prefill_attention
 from deepinfer.ops.rope import RopeSpec, YarnScaling, apply_rope, check_mla_rope_and_norm, yarn_mscale
@@ -20,7 +21,7 @@ from deepinfer.weights import LinearWeight
 __all__ = [
     "FusedOps", "RopeSpec", "YarnScaling", "RoutingSpec",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "select_experts", "append_shared_experts", "yarn_mscale",
-    "prefill_attention",
+    "prefill_attention", "check_argmax",
 ]
 
 
@@ -88,7 +89,19 @@ class FusedOps:
         a stride-0 view) the keys are (q | q_rope) and (k | k_rope); a backend may read the parts in place."""
         return prefill_attention(q, k, v, scale, q_rope, k_rope)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, V] float (V >= 1) -> int64 [R]: each row's first index of its largest value, a NaN counting as
+        larger than anything (torch.argmax over the last dimension): greedy decoding's token choice."""
+        check_argmax(x)
+        return torch.argmax(x, dim=-1)
+
     def quantize_fp8_per_token_group(self, x: torch.Tensor, group: int = quant.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., K] -> (float8_e4m3fn [..., K], fp32 scales [..., ceil(K/group)])."""
         check_tensor("x", x, dtypes=FLOAT_DTYPES)
         return quant.quantize_fp8_per_token_group(x, group)
+
+
+def check_argmax(x: object) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] == 0:
+        raise InvalidInputError("argmax needs at least one column")

@@ -457,3 +457,41 @@ def test_fused_norm_rope_bad_inputs_raise(backend, gen):
         mla(q_pe, kv, w, 1e-6, pos, cache[:, :6], True)
     with pytest.raises(InvalidInputError, match="dtype"):
         mla(q_pe, kv.long(), w, 1e-6, pos, cache, True)
+
+
+def _first_argmax(row: list[float]) -> int:
+    """Plain Python: the first NaN if any, else the first index of the largest value."""
+    for i, v in enumerate(row):
+        if math.isnan(v):
+            return i
+    best = max(row)
+    return row.index(best)
+
+
+@pytest.mark.parametrize("shape", [(1, 102400), (3, 5000), (4, 1), (2, 2049), (5, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_first_maximum(backend, gen, shape, dtype):
+    r, v = shape
+    x = _randn(gen, r, v, dtype=dtype)
+    if v > 1:
+        # ties: a row of few distinct values (the first occurrence wins), a row all -inf but one later -inf
+        # tie, a row with NaNs (the first NaN wins), a maximum in the row's last column
+        x[0, : v // 2] = torch.randint(-3, 3, (v // 2,), generator=gen).to(dtype)
+        x[0, v // 2 :] = -5
+        if r > 1:
+            x[1] = float("-inf")
+        if r > 2:
+            nans = torch.randint(0, v, (2,), generator=gen)
+            x[2, nans] = float("nan")
+        if r > 3:
+            x[3, -1] = 100
+    got = backend.ops.argmax(x.to(backend.device))
+    assert got.dtype == torch.int64 and got.shape == (r,)
+    assert got.cpu().tolist() == [_first_argmax(row) for row in x.float().tolist()]
+
+
+def test_argmax_rejects_bad_input(backend, gen):
+    assert backend.ops.argmax(torch.empty(0, 7, device=backend.device)).shape == (0,)
+    for bad in (torch.randn(5, generator=gen), torch.randn(3, 0), torch.randint(0, 5, (2, 3), generator=gen)):
+        with pytest.raises(InvalidInputError):
+            backend.ops.argmax(bad.to(backend.device))
