@@ -179,11 +179,15 @@ class Backend(ABC):
 
     @abstractmethod
     def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,
-                       validate: bool = True) -> torch.Tensor:
+                       validate: bool = True, sizes_settled: bool = False) -> torch.Tensor:
         """Rows of x [M, K] sorted by group; group g's rows (group_sizes[g] of them) use weight[g] [N, K].
 
         validate=False skips checking the sizes' values, a read-back that stalls the host behind queued GPU
-        work (and is illegal in graph capture), for callers that produced them (the model, from dispatch)."""
+        work (and is illegal in graph capture), for callers that produced them (the model, from dispatch).
+        sizes_settled: an earlier launch on this stream already read group_sizes (an MLP's down projection after
+        its gate/up): their writer is then at least two launches back, and a backend whose kernels start before
+        their predecessor ends (programmatic dependent launch) may read them, and fetch the groups' weights,
+        before waiting for x."""
 
     def gated_linear(self, x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None, *,
                      validate: bool = True) -> torch.Tensor:

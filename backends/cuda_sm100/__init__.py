@@ -149,12 +149,13 @@ class CudaSM100Backend(ReferenceBackend):
 
         return gemm.linear(x, weight, batch_invariant=getattr(self, "batch_invariant", False))
 
-    def grouped_linear(self, x, weight, group_sizes, *, validate=True):
+    def grouped_linear(self, x, weight, group_sizes, *, validate=True, sizes_settled=False):
         if not self._triton_runs_here():
             return super().grouped_linear(x, weight, group_sizes, validate=validate)
         from deepinfer.backends.cuda_sm100 import gemm
 
-        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate)
+        return gemm.grouped_linear(x, weight, group_sizes, batch_invariant=self.batch_invariant, validate=validate,
+                                   sizes_settled=sizes_settled)
 
     def per_head_linear(self, x, weight, *, quantize=False):
         from deepinfer.backends.cuda_sm100 import gemm

@@ -387,19 +387,20 @@ def _check_sizes(group_sizes: object, groups: int, total: int | None, device: to
 
 def grouped_linear(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, cfg: TileConfig | None = None,
-                   batch_invariant: bool = False, validate: bool = True) -> torch.Tensor:
+                   batch_invariant: bool = False, validate: bool = True, sizes_settled: bool = False) -> torch.Tensor:
     """Contiguous layout: x [M, K] rows sorted by group, group_sizes [G] on the device -> [M, N].
 
     x may be pre-quantised e4m3 with x_scale [M, KB] (fp8_block weights only); the output is then out_dtype
     (bf16 by default), else x's dtype. The value check of group_sizes syncs with the host unless the
-    stream is capturing a graph.
+    stream is capturing a graph. sizes_settled: see Backend.grouped_linear (the GEMV then reads the sizes and
+    its first weight slab before its PDL wait).
     """
     weight = _check_weight(weight, 3)
     if x_scale is None or x.dtype != quant.FP8_DTYPE:
         x = _check_x(x, weight, ndim=2)
     _check_sizes(group_sizes, weight.num_groups, x.shape[0], x.device, validate)
     if cfg is None and not batch_invariant and gemv_grouped_usable(x, weight, x_scale):
-        return gemv_grouped(x, weight, group_sizes, x_scale, out_dtype)
+        return gemv_grouped(x, weight, group_sizes, x_scale, out_dtype, sizes_early=sizes_settled)
     m, n = x.shape[0], weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (x.dtype if x.dtype != quant.FP8_DTYPE else torch.bfloat16), device=x.device)
     if m:

@@ -96,13 +96,15 @@ def _nvfp4_tile(p_ptrs, s_ptrs, kmask_p, kmask_s, BN: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def _tile_rows(pid_m, sizes_ptr, M, G, cap, LAYOUT: tl.constexpr, BM: tl.constexpr, G_P: tl.constexpr):
-    """Map a virtual M-tile to (group, first row, end row); end <= first means "nothing to do"."""
+def _tile_rows(pid_m, sizes_ptr, M, G, cap, LAYOUT: tl.constexpr, BM: tl.constexpr, G_P: tl.constexpr,
+               CG: tl.constexpr = False):
+    """Map a virtual M-tile to (group, first row, end row); end <= first means "nothing to do". CG: the sizes are
+    read from L2 (past a non-coherent L1), for a kernel reading them before its PDL wait."""
     if LAYOUT == 1:
         # Each group's rows are cut into ceil(size / BM) tiles; tile t belongs to the first group whose
         # cumulative tile count exceeds t. The grid has ceil(M / BM) + G tiles, an upper bound.
         offs = tl.arange(0, G_P)
-        sizes = tl.load(sizes_ptr + offs, mask=offs < G, other=0).to(tl.int32)
+        sizes = tl.load(sizes_ptr + offs, mask=offs < G, other=0, cache_modifier=".cg" if CG else "").to(tl.int32)
         sizes = tl.maximum(sizes, 0)
         tiles = (sizes + BM - 1) // BM
         tile_end = tl.cumsum(tiles, 0)

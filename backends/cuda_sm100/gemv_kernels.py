@@ -71,7 +71,7 @@ def _slab_dot(x, xs, w, ws, W_FP8: tl.constexpr, X_FP8: tl.constexpr):
 def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_xm, stride_xsm, stride_xsk,
                 stride_wg, stride_wn, stride_wsg, stride_wsn, stride_om, K: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, W_FP8: tl.constexpr, X_FP8: tl.constexpr, GROUPED: tl.constexpr, G_P: tl.constexpr,
-                GATED: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
+                GATED: tl.constexpr, EXACT: tl.constexpr, SIZES_EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (r, j): BN outputs of row r (GROUPED: of the r-th row of the rows sorted by group, its group's
     weight; grid rows past M do nothing). K (a weight's width: a few values a model) is constant, so the K loop
     is bound on the host, which the interpreter needs. BK: a multiple of 128."""
@@ -79,9 +79,12 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = (rn < N)[:, None]
     if GROUPED:
-        enter(PDL)
-        g, row, end = _tile_rows(tl.program_id(0), sizes_ptr, M, G, 0, 1, 1, G_P)
+        if not SIZES_EARLY:
+            enter(PDL)
+        g, row, end = _tile_rows(tl.program_id(0), sizes_ptr, M, G, 0, 1, 1, G_P, SIZES_EARLY)
         if row >= end:
+            if SIZES_EARLY:
+                enter(PDL)
             return
     else:
         row = tl.program_id(0)
@@ -94,7 +97,7 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
     w, ws = _load_slab(w_rows, ws_rows, 0, K, rmask, GK, W_FP8)  # one matrix: before the wait (weights only)
     if GATED:
         u, us = _load_slab(u_rows, us_rows, 0, K, rmask, GK, W_FP8)
-    if not GROUPED:
+    if not GROUPED or SIZES_EARLY:
         enter(PDL)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     xs_row = xs_ptr + row.to(tl.int64) * stride_xsm

@@ -59,7 +59,7 @@ class ReferenceBackend(Backend):
         return gemm.linear(x, weight, self.batch_invariant)
 
     def grouped_linear(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, *,
-                       validate: bool = True) -> torch.Tensor:
+                       validate: bool = True, sizes_settled: bool = False) -> torch.Tensor:
         return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)  # reads the sizes anyway
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None, *,

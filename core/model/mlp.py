@@ -115,15 +115,18 @@ class GatedMLP:
             None if w is None else expert_weight(w, g) for w in (self.gate_up, self.gate, self.up, self.down))
         return view
 
-    def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor | None,
+                 settled: bool = False) -> torch.Tensor:
+        """settled: an earlier projection of this forward already read group_sizes (Backend.grouped_linear)."""
         if group_sizes is None:
             return self.backend.linear(x, weight)
-        return self.backend.grouped_linear(x, weight, group_sizes, validate=False)  # sizes from dispatch
+        return self.backend.grouped_linear(x, weight, group_sizes, validate=False, sizes_settled=settled)  # from dispatch
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
         if self.gate_up is not None:  # sizes come from dispatch: no value check
             hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False)
         else:
-            gate_up = torch.cat([self._project(x, self.gate, group_sizes), self._project(x, self.up, group_sizes)], dim=-1)
+            gate_up = torch.cat([self._project(x, self.gate, group_sizes),
+                                 self._project(x, self.up, group_sizes, settled=True)], dim=-1)
             hidden = self.backend.ops.silu_and_mul(gate_up)
-        return self._project(hidden, self.down, group_sizes)
+        return self._project(hidden, self.down, group_sizes, settled=True)

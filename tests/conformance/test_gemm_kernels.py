@@ -377,6 +377,8 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv
     out = gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert _rel_err(out, ref) < 8e-3  # the output's rounding
+    # sizes and the first weight slab read before the PDL wait (sizes settled): the same bits
+    assert torch.equal(gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated, sizes_early=True), out)
     if fmt == "fp8_block" and x_kind == "bf16":
         assert torch.equal(gemv.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
     if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
