@@ -7,8 +7,9 @@ pads the row to an MMA's 16 and pipelines narrow K steps; here each program take
 columns of them at once (its whole slab when K <= BK), multiplies them by the row in fp32 on the FMA units and
 reduces once per K step. One matrix under PDL: the first K step of the weight (which no earlier kernel writes)
 is loaded before the wait for the previous kernel, so its streaming overlaps that kernel's tail; x is read only
-after the wait (per-head matrices alike). Grouped rows need the previous kernel's group sizes first, so they wait
-at once.
+after the wait (per-head matrices alike). Grouped rows need their group sizes first, so they wait at once, unless
+the sizes are settled (SIZES_EARLY: an earlier launch already read them, so their writer is at least two launches
+back and done once this kernel can start); then they too load their first slab before the wait.
 
 Weights are 16-bit, or E4M3 with a float32 scale per 128 x 128 block (W_FP8); x is 16-bit (quantised in the
 kernel when the weight is E4M3, with quant_fp8_kernel's own helper), or E4M3 with a scale per 128 columns
