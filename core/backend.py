@@ -19,7 +19,7 @@ import torch
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
-from deepinfer.ops import FusedOps
+from deepinfer.ops import ExpertLayout, FusedOps
 from deepinfer.quant import Fp8Activations
 from deepinfer.weights import LinearWeight
 
@@ -228,13 +228,16 @@ class Backend(ABC):
         *,
         validate: bool = True,
         capacity: int | None = None,
+        layout: ExpertLayout | None = None,
     ) -> Pending[Dispatched]:
         """Send each token to the ranks owning its chosen experts (experts split evenly, in order).
         validate=False skips the range check of topk_ids (a read-back), for ids from the model's router.
         capacity: a bound on every rank's token count that all ranks of the group pass alike (expert
         parallelism); a backend may then use fixed-size buffers instead of exchanging counts, with no host
         synchronisation (CUDA-graph capturable). Dispatched.hidden may then hold padding rows past the sum of
-        group_sizes, which the grouped GEMMs skip."""
+        group_sizes, which the grouped GEMMs skip.
+        layout: these choices' layout from FusedOps.route_sorted (one process): a backend may lay the rows out
+        from it instead of sorting; Dispatched.hidden may then be a view of x (one token: every row is it)."""
 
     @abstractmethod
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None

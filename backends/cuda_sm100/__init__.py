@@ -190,14 +190,15 @@ class CudaSM100Backend(ReferenceBackend):
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
-    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True, capacity=None):
+    def dispatch(self, x, topk_ids, topk_weights, num_experts, group=None, *, validate=True, capacity=None,
+                 layout=None):
         if not self._triton_runs_here():
-            return super().dispatch(x, topk_ids, topk_weights, num_experts, group, validate=validate)
+            return super().dispatch(x, topk_ids, topk_weights, num_experts, group, validate=validate, layout=layout)
         from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
         if self._expert_parallel(group):
             return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate, capacity)
-        return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate)
+        return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate, layout=layout)
 
     def combine(self, dispatched, expert_out, add=None):
         from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm

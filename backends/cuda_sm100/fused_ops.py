@@ -17,7 +17,7 @@ import torch
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import ConfigError, InvalidInputError
-from deepinfer.ops import FusedOps, RoutingSpec, append_shared_experts, check_argmax
+from deepinfer.ops import ExpertLayout, FusedOps, RoutingSpec, append_shared_experts, check_argmax
 from deepinfer.ops.rope import check_mla_rope_and_norm
 from deepinfer.weights import LinearWeight, WeightFormat
 
@@ -190,18 +190,35 @@ class CudaFusedOps(FusedOps):
         """Few tokens: the float32 GEMV and the selection in one launch (moe_gate.gate_route). Else the backend's
         GEMM, then the route kernel writing the shared columns itself. Batch-invariant mode keeps one path for
         every token count: the backend's fixed-tile GEMM, whose row sums do not depend on the batch."""
-        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-        if (not self.batch_invariant and gate.format is WeightFormat.DENSE and _triton_device(x)
-                and moe_gate.gate_route_fits(x, gate.data, spec) and gate.in_features == x.shape[1]
-                and gate.out_features == spec.num_experts and gate.device == x.device):
-            if correction_bias is not None:
-                check_tensor("correction_bias", correction_bias, ndim=1, shape=[spec.num_experts], device=x.device)
-            return moe_gate.gate_route(x, gate.data, spec, correction_bias, self._gate_tickets(x.device), shared)
+        if self._gate_route_takes(x, gate, spec, correction_bias):
+            return moe_gate.gate_route(x, gate.data, spec, correction_bias, self._gate_tickets(x.device), shared)[:2]
         logits = linear(x.float(), gate)
         self._check_routing(logits, spec, correction_bias)
         if spec.num_experts > moe_gate.MAX_EXPERTS:
             return append_shared_experts(*super().select_experts(logits, spec, correction_bias), spec.num_experts, shared)
         return moe_gate.select(logits, spec, correction_bias, shared)
+
+    def route_sorted(self, x: torch.Tensor, gate: LinearWeight, spec: RoutingSpec,
+                     correction_bias: torch.Tensor | None = None, *, linear, shared: int = 0):
+        """At one token the one-launch gate's routing program also writes the layout (a few integer ops), and
+        the dispatch then launches nothing (moe_comm.dispatch)."""
+        if x.dim() == 2 and x.shape[0] == 1 and self._gate_route_takes(x, gate, spec, correction_bias):
+            weights, ids, sizes, row_of_pair = moe_gate.gate_route(
+                x, gate.data, spec, correction_bias, self._gate_tickets(x.device), shared, layout=True)
+            return weights, ids, ExpertLayout(sizes, row_of_pair)
+        return super().route_sorted(x, gate, spec, correction_bias, linear=linear, shared=shared)
+
+    def _gate_route_takes(self, x: torch.Tensor, gate: LinearWeight, spec: RoutingSpec,
+                          correction_bias: torch.Tensor | None) -> bool:
+        """Whether the one-launch gate (moe_gate.gate_route) takes this routing; checks x and the bias."""
+        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+        if not (not self.batch_invariant and gate.format is WeightFormat.DENSE and _triton_device(x)
+                and moe_gate.gate_route_fits(x, gate.data, spec) and gate.in_features == x.shape[1]
+                and gate.out_features == spec.num_experts and gate.device == x.device):
+            return False
+        if correction_bias is not None:
+            check_tensor("correction_bias", correction_bias, ndim=1, shape=[spec.num_experts], device=x.device)
+        return True
 
     @staticmethod
     def _check_routing(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None) -> None:

@@ -16,6 +16,7 @@ import torch
 from deepinfer.backend import Dispatched, Pending
 from deepinfer.backends.reference.comm import check_combine_add, check_dispatch
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.ops import ExpertLayout, check_layout
 from deepinfer.quant import cdiv
 
 
@@ -34,13 +35,21 @@ _HB = 512  # hidden columns per program of the small dispatch
 
 
 def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-             validate: bool = True, small_max_pairs: int = SMALL_DISPATCH_MAX_PAIRS) -> Pending[Dispatched]:
+             validate: bool = True, small_max_pairs: int = SMALL_DISPATCH_MAX_PAIRS,
+             layout: ExpertLayout | None = None) -> Pending[Dispatched]:
     """small_max_pairs: the largest T * k taking the one-launch path (tests pin either path). With
     validate=False, ids outside [0, num_experts) are left out on either path: row -1 in row_of_pair, not
     counted, and the hidden rows end in padding past the sum of the group sizes (expert parallelism's
-    receiver marks other ranks' choices so)."""
+    receiver marks other ranks' choices so). layout (the router's, FusedOps.route_sorted): at one token every
+    row is that token, so the rows are a stride-0 view of x and the dispatch launches nothing."""
     check_dispatch(x, topk_ids, topk_weights, num_experts, validate)
     t, top_k = topk_ids.shape
+    if layout is not None:
+        check_layout(layout, num_experts, topk_ids)
+        if t == 1:
+            state = LocalState(layout.row_of_pair, topk_weights.contiguous(), x.dtype)
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return Pending.ready(Dispatched(x.expand(top_k, x.shape[1]), layout.group_sizes, 0, state))
     if t * top_k <= small_max_pairs and num_experts <= _SMALL_MAX_EXPERTS:
         rows, sizes, row_of_pair = _dispatch_small(x, topk_ids, num_experts)
     else:

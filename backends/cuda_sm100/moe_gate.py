@@ -78,8 +78,10 @@ def gate_route_fits(x: torch.Tensor, gate: torch.Tensor, spec: RoutingSpec) -> b
 
 
 def gate_route(x: torch.Tensor, gate: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None,
-               tickets: torch.Tensor, shared: int = 0):
-    """select(x.float() @ gate^T, ...) in one launch for gate_route_fits() calls.
+               tickets: torch.Tensor, shared: int = 0, layout: bool = False):
+    """select(x.float() @ gate^T, ...) in one launch for gate_route_fits() calls -> (weights, ids, group sizes,
+    row_of_pair); the last two are None unless `layout` (one token only): the choices' contiguous layout over
+    E + shared experts (ops.ExpertLayout), written by the routing program as well.
 
     tickets: int32 [GATE_ROUTE_TICKETS] zeros on x's device, owned by the caller and kept between calls (the
     kernel leaves them at 0); launches sharing it must run in stream order, as one model's layers do.
@@ -95,8 +97,14 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, spec: RoutingSpec, bias: tor
     be = max(1, min(4, next_pow2(e) // 128))
     bh = min(next_pow2(h), max(64, 8192 // (bt * be)))  # the [BT, BE, BH] float32 accumulator: 64 per thread
     n_eb = cdiv(e, be)
+    if layout and t != 1:
+        raise ValueError("gate_route writes a layout for one token only")
+    k = spec.top_k + shared
+    sizes = torch.empty(e + shared, dtype=torch.int64, device=x.device) if layout else None
+    row_of_pair = torch.empty(t, k, dtype=torch.int32, device=x.device) if layout else None
     RK.gate_route_kernel[(cdiv(t, bt), n_eb)](
         x, gate, logits, tickets, bias if bias is not None else gate, weights, ids, t, x.stride(0),
-        H=h, BE=be, BH=bh, N_EB=n_eb, **_route_consts(spec, bias is not None, shared), BT=bt, num_warps=4,
-        **launch_kwargs())
-    return weights, ids
+        sizes if layout else ids, row_of_pair if layout else ids,
+        H=h, BE=be, BH=bh, N_EB=n_eb, **_route_consts(spec, bias is not None, shared), BT=bt, LAYOUT=layout,
+        P_P=next_pow2(k), EN_P=next_pow2(e + shared), num_warps=4, **launch_kwargs())
+    return weights, ids, sizes, row_of_pair

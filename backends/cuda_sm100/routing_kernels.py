@@ -110,12 +110,13 @@ def route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t,
 
 
 @triton.jit
-def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_x,
+def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_x, sizes_ptr, rop_ptr,
                       H: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, N_EB: tl.constexpr,
                       E: tl.constexpr, EPG: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, EPG_P: tl.constexpr,
                       TOPK: tl.constexpr, SHARED: tl.constexpr, K_P: tl.constexpr, S_P: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       SOFTMAX: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
+                      RENORM: tl.constexpr, SCALE: tl.constexpr, BT: tl.constexpr, LAYOUT: tl.constexpr,
+                      P_P: tl.constexpr, EN_P: tl.constexpr, PDL: tl.constexpr = False):
     """The whole gate for few tokens in one launch: logits = x.float() @ gate^T, then _route_tokens.
 
     Program (i, j) computes token block i's float32 logits for experts [j*BE, (j+1)*BE) into `logits_ptr`
@@ -124,6 +125,9 @@ def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, 
     draws the last ticket has seen every other program's logits (acq_rel atomic after a block barrier) and
     routes the block, then resets the ticket to 0 for the next launch. Every logit is one program's
     fixed-order sum, so the result does not depend on which program finishes last.
+    LAYOUT (one token, T = 1): the routing program also writes the dispatch's contiguous layout, group sizes
+    [E + SHARED] (sizes_ptr) and each pair's row (rop_ptr): its rank among the token's choices by (expert, pair),
+    as the dispatch's stable sort places it (P_P, EN_P: TOPK + SHARED and E + SHARED as powers of two).
     """
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -152,6 +156,16 @@ def gate_route_kernel(x_ptr, gate_ptr, logits_ptr, ticket_ptr, bias_ptr, w_ptr, 
         # ".cg": read the other programs' logits from L2, never from this SM's (incoherent) L1
         _route_tokens(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok, T, E, E, EPG, G, G_P, EPG_P, TOPK, SHARED, K_P, S_P,
                       TOPK_GROUP, SOFTMAX, GROUPED, TOP2_SUM, HAS_BIAS, RENORM, SCALE, BT, ".cg")
+        if LAYOUT:
+            tl.debug_barrier()  # the ids this program's threads just wrote
+            j = tl.arange(0, P_P)
+            pm = j < TOPK + SHARED
+            e = tl.load(ids_ptr + j, mask=pm, other=0).to(tl.int32)
+            before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))
+            tl.store(rop_ptr + j, tl.sum((before & pm[None, :]).to(tl.int32), axis=1), mask=pm)  # the stable sort's
+            cols = tl.arange(0, EN_P)
+            hist = tl.sum(((cols[:, None] == e[None, :]) & pm[None, :]).to(tl.int64), axis=1)
+            tl.store(sizes_ptr + cols, hist, mask=cols < E + SHARED)
         tl.atomic_xchg(ticket_ptr + pid_t, 0, sem="relaxed", scope="gpu")
 
 

@@ -12,6 +12,7 @@ import torch
 
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
 from deepinfer.backend import Backend, Capabilities, Dispatched, Pending, Probe
+from deepinfer.ops import ExpertLayout, check_layout
 from deepinfer.weights import LinearWeight
 
 from deepinfer.backends.reference import attention, comm, gemm
@@ -63,8 +64,12 @@ class ReferenceBackend(Backend):
         return gemm.grouped_linear(x, weight, group_sizes, self.batch_invariant)  # reads the sizes anyway
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts: int, group: Any = None, *,
-                 validate: bool = True, capacity: int | None = None) -> Pending[Dispatched]:
-        # capacity is only an allowance: this backend always sizes its buffers from exchanged counts.
+                 validate: bool = True, capacity: int | None = None, layout: ExpertLayout | None = None
+                 ) -> Pending[Dispatched]:
+        # capacity is only an allowance: this backend always sizes its buffers from exchanged counts; a layout
+        # is checked but not needed (it sorts anyway).
+        if layout is not None:
+            check_layout(layout, num_experts, topk_ids)
         return comm.dispatch(x, topk_ids, topk_weights, num_experts, group, validate)
 
     def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None

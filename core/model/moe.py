@@ -24,7 +24,7 @@ from deepinfer.backend import Backend
 from deepinfer.errors import ConfigError
 from deepinfer.model.mlp import GatedMLP
 from deepinfer.moe.placement import ExpertPlacement
-from deepinfer.ops import RoutingSpec
+from deepinfer.ops import ExpertLayout, RoutingSpec
 from deepinfer.weights import LinearWeight
 
 # Tokens up to which a folded layer runs its shared slices inside the routed grouped GEMMs (to be tuned on the
@@ -74,13 +74,18 @@ class MoE:
         self.placement = kept or placement
         return kept is not None
 
-    def _route(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights, ids) [T, top_k + shared]: the routed choices, then `shared` folded shared experts."""
+    def _route(self, x: torch.Tensor, shared: int = 0, sort: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
+        """-> (weights, ids) [T, top_k + shared]: the routed choices, then `shared` folded shared experts; and with
+        `sort` their layout where the backend's router computes it (FusedOps.route_sorted), else None."""
         be = self.backend
         if x.shape[0] == 0:  # an idle expert-parallel rank joining the collectives with no tokens
             k = self.routing.top_k + shared
-            return (torch.empty(0, k, dtype=torch.float32, device=x.device), torch.empty(0, k, dtype=torch.int64, device=x.device))
-        return be.ops.route(x, self.gate, self.routing, self.correction_bias, linear=be.linear, shared=shared)
+            return (torch.empty(0, k, dtype=torch.float32, device=x.device),
+                    torch.empty(0, k, dtype=torch.int64, device=x.device), None)
+        if sort:
+            return be.ops.route_sorted(x, self.gate, self.routing, self.correction_bias, linear=be.linear, shared=shared)
+        return (*be.ops.route(x, self.gate, self.routing, self.correction_bias, linear=be.linear, shared=shared), None)
 
     def _shared_apart(self, x: torch.Tensor) -> torch.Tensor:
         """The folded shared slices as plain MLPs on every token, summed."""
@@ -93,13 +98,14 @@ class MoE:
         """capacity: under expert parallelism, the token bound every rank's dispatch passes alike."""
         be = self.backend
         fold = self.folded_shared if x.shape[0] <= self.fold_max_tokens else 0
-        weights, ids = self._route(x, fold)
+        # In one process with every slice in the choices, the router may lay them out for the dispatch too.
+        weights, ids, layout = self._route(x, fold, sort=self.placement is None and fold == self.folded_shared)
         if self.load_hook is not None:
             self.load_hook(ids[:, : self.routing.top_k] if fold else ids)
         if self.placement is None:
             # The shared slices' groups are there either way (empty when not folded for this batch).
             num_experts = self.routing.num_experts + self.folded_shared
-            pending = be.dispatch(x, ids, weights, num_experts, validate=False)  # ids from the router
+            pending = be.dispatch(x, ids, weights, num_experts, validate=False, layout=layout)  # ids from the router
         else:
             pending = be.dispatch(x, self.placement.route(ids), weights, self.placement.num_physical, self.group,
                                   validate=False, capacity=capacity)

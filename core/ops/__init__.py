@@ -15,13 +15,13 @@ from deepinfer.errors import InvalidInputError
 from deepinfer.ops.norm import add_rms_norm, rms_norm, silu_and_mul
 from deepinfer.ops.prefill_attention import prefill_attention
 from deepinfer.ops.rope import RopeSpec, YarnScaling, apply_rope, check_mla_rope_and_norm, yarn_mscale
-from deepinfer.ops.routing import RoutingSpec, append_shared_experts, select_experts
+from deepinfer.ops.routing import ExpertLayout, RoutingSpec, append_shared_experts, check_layout, select_experts
 from deepinfer.weights import LinearWeight
 
 __all__ = [
     "FusedOps", "RopeSpec", "YarnScaling", "RoutingSpec",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "select_experts", "append_shared_experts", "yarn_mscale",
-    "prefill_attention", "check_argmax",
+    "prefill_attention", "check_argmax", "ExpertLayout", "check_layout",
 ]
 
 
@@ -81,6 +81,14 @@ class FusedOps:
         """
         weights, ids = self.select_experts(linear(x.float(), gate), spec, correction_bias)
         return append_shared_experts(weights, ids, spec.num_experts, shared)
+
+    def route_sorted(self, x: torch.Tensor, gate: LinearWeight, spec: RoutingSpec,
+                     correction_bias: torch.Tensor | None = None, *,
+                     linear: Callable[[torch.Tensor, LinearWeight], torch.Tensor], shared: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
+        """route(), and the choices' ExpertLayout over num_experts + shared experts where the backend's router
+        computes it on the way (else None): handed to Backend.dispatch, it spares the dispatch its sort."""
+        return (*self.route(x, gate, spec, correction_bias, linear=linear, shared=shared), None)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                           q_rope: torch.Tensor | None = None, k_rope: torch.Tensor | None = None) -> torch.Tensor:

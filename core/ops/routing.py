@@ -95,3 +95,26 @@ def append_shared_experts(weights: torch.Tensor, ids: torch.Tensor, num_experts:
     t = ids.shape[0]
     extra = torch.arange(num_experts, num_experts + shared, dtype=ids.dtype, device=ids.device).expand(t, shared)
     return (torch.cat([weights, weights.new_ones(t, shared)], dim=1), torch.cat([ids, extra], dim=1))
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertLayout:
+    """The contiguous layout of a step's (token, choice) pairs: rows sorted by expert, ties in pair order.
+
+    group_sizes [E] int64: pairs per expert; row_of_pair [T, k] int32: the row each pair takes. A router that
+    computes it on the way (FusedOps.route_sorted) saves the dispatch its sort (Backend.dispatch's layout).
+    """
+
+    group_sizes: torch.Tensor
+    row_of_pair: torch.Tensor
+
+
+def check_layout(layout: object, num_experts: int, topk_ids: torch.Tensor) -> None:
+    """A layout handed to dispatch must fit its choices: [E] sizes and a [T, k] row per pair on their device."""
+    if not isinstance(layout, ExpertLayout):
+        raise InvalidInputError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+    check_tensor("layout.group_sizes", layout.group_sizes, shape=(num_experts,), dtypes=(torch.int64,),
+                 device=topk_ids.device)
+    check_tensor("layout.row_of_pair", layout.row_of_pair, shape=tuple(topk_ids.shape), dtypes=(torch.int32,),
+                 device=topk_ids.device)
+

@@ -141,3 +141,60 @@ def test_dispatch_takes_the_small_path_up_to_its_limit(backend, moe_comm, gen, m
     over = backend.dispatch(x, ids, weights, e).wait()
     assert calls == [1]  # the general path
     assert at_limit.group_sizes.sum().item() == (x.shape[0] - 1) * k and over.group_sizes.sum().item() == x.shape[0] * k
+
+
+def _stable_layout(ids: torch.Tensor, num_experts: int) -> tuple[list[int], list[list[int]]]:
+    """Plain Python: group sizes, and each pair's row when pairs are sorted by (expert, pair index)."""
+    flat = ids.reshape(-1).tolist()
+    order = sorted(range(len(flat)), key=lambda p: (flat[p], p))
+    rows = [0] * len(flat)
+    for r, p in enumerate(order):
+        rows[p] = r
+    k = ids.shape[1]
+    return [flat.count(e) for e in range(num_experts)], [rows[i : i + k] for i in range(0, len(flat), k)]
+
+
+@pytest.mark.parametrize("spec", ROUTINGS, ids=lambda s: f"{s.scoring_func}-{s.topk_method}-E{s.num_experts}")
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_route_sorted_lays_out_as_the_dispatch_sorts(backend, gen, spec, shared, tokens):
+    """route_sorted: route's choices, and where the router lays them out (cuda_sm100 at one token) the stable
+    sort's group sizes and rows; a dispatch handed that layout delivers what one without it does."""
+    dev = backend.device
+    x = torch.randn(tokens, 200, generator=gen).bfloat16().to(dev)
+    gate = LinearWeight.dense(torch.randn(spec.num_experts, 200, generator=gen).to(dev))
+    bias = (torch.randn(spec.num_experts, generator=gen) * 0.1).to(dev) if spec.topk_method == "noaux_tc" else None
+    weights, ids, layout = backend.ops.route_sorted(x, gate, spec, bias, linear=backend.linear, shared=shared)
+    want_w, want_ids = backend.ops.route(x, gate, spec, bias, linear=backend.linear, shared=shared)
+    assert torch.equal(ids.cpu(), want_ids.cpu()) and torch.equal(weights.cpu(), want_w.cpu())
+    e = spec.num_experts + shared
+    if backend.name == "cuda_sm100" and tokens == 1:
+        assert layout is not None  # the one-launch gate writes it
+    if layout is None:
+        return
+    sizes, rows = _stable_layout(ids.cpu(), e)
+    assert layout.group_sizes.dtype == torch.int64 and layout.group_sizes.cpu().tolist() == sizes
+    assert layout.row_of_pair.dtype == torch.int32 and layout.row_of_pair.cpu().tolist() == rows
+    plain = backend.dispatch(x, ids, weights, e, validate=False).wait()
+    laid = backend.dispatch(x, ids, weights, e, validate=False, layout=layout).wait()
+    assert torch.equal(laid.group_sizes.cpu(), plain.group_sizes.cpu())
+    assert torch.equal(laid.hidden.cpu(), plain.hidden.cpu())  # one token: every row is it, in any order
+    y = torch.randn(plain.hidden.shape[0], 200, generator=gen).to(dev)
+    assert torch.equal(backend.combine(laid, y).wait().cpu(), backend.combine(plain, y).wait().cpu())
+
+
+def test_dispatch_rejects_a_layout_that_does_not_fit(backend, gen):
+    from deepinfer.errors import InvalidInputError
+    from deepinfer.ops import ExpertLayout
+
+    dev = backend.device
+    x = torch.randn(1, 16, generator=gen).to(dev)
+    ids = torch.tensor([[3, 1]], device=dev)
+    w = torch.rand(1, 2, generator=gen).to(dev)
+    good_rows = torch.tensor([[1, 0]], dtype=torch.int32, device=dev)
+    for bad in (ExpertLayout(torch.zeros(4, dtype=torch.int64, device=dev), good_rows),  # 4 sizes for 5 experts
+                ExpertLayout(torch.zeros(5, dtype=torch.int64, device=dev), good_rows.long()),  # int64 rows
+                ExpertLayout(torch.zeros(5, dtype=torch.int64, device=dev), good_rows[:, :1]),
+                (torch.zeros(5, dtype=torch.int64, device=dev), good_rows)):
+        with pytest.raises(InvalidInputError, match="layout"):
+            backend.dispatch(x, ids, w, 5, validate=False, layout=bad)
