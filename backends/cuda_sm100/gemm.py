@@ -267,7 +267,8 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
     eager_small = picked and layout == 0 and m <= 128 and not (a.is_cuda and torch.cuda.is_current_stream_capturing())
     use_tma = (cfg.tma and not eager_small and b_kind != 2 and layout != 3 and (k * a.element_size()) % 16 == 0
                and (k * w.element_size()) % 16 == 0
-               and (a.stride(0) * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+               and a.stride(0) > 0 and (a.stride(0) * a.element_size()) % 16 == 0  # (not a broadcast row: no TMA)
+               and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
                and w.stride(1) == k and w.stride(0) == w.shape[1] * k)
     a_arg, b_arg = a, w
     if use_tma:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.errors import InvalidInputError
 from deepinfer.ops import RoutingSpec
 
 from deepinfer.backends.cuda_sm100 import routing_kernels as RK
@@ -98,7 +99,7 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, spec: RoutingSpec, bias: tor
     bh = min(next_pow2(h), max(64, 8192 // (bt * be)))  # the [BT, BE, BH] float32 accumulator: 64 per thread
     n_eb = cdiv(e, be)
     if layout and t != 1:
-        raise ValueError("gate_route writes a layout for one token only")
+        raise InvalidInputError("gate_route writes a layout for one token only")
     k = spec.top_k + shared
     sizes = torch.empty(e + shared, dtype=torch.int64, device=x.device) if layout else None
     row_of_pair = torch.empty(t, k, dtype=torch.int32, device=x.device) if layout else None
