@@ -102,8 +102,13 @@ def test_folded_routes_and_load_hook(backend, gen):
     seen = []
     moe.load_hook = seen.append
     x = torch.randn(5, 32, generator=gen).to(dev)
-    weights, ids = moe._route(x, moe.folded_shared)
-    assert ids.shape == (5, spec.top_k + shared)
+    weights, ids, layout = moe._route(x, moe.folded_shared)
+    assert ids.shape == (5, spec.top_k + shared) and layout is None  # (asked for none)
+    # One token, sorted: cuda_sm100's one-launch gate lays the choices out over the routed and shared slices.
+    _, one_ids, layout = moe._route(x[:1], moe.folded_shared, sort=True)
+    assert (layout is not None) == (backend.name == "cuda_sm100")
+    if layout is not None:
+        assert layout.group_sizes.cpu().tolist() == [int((one_ids == e).sum()) for e in range(spec.num_experts + shared)]
     assert ids[:, spec.top_k:].cpu().tolist() == [[6, 7]] * 5 and bool((weights[:, spec.top_k:] == 1).all())
     moe.forward(x)
     moe.fold_max_tokens = 4
