@@ -31,6 +31,17 @@ def concat_out_features(a: LinearWeight, b: LinearWeight) -> LinearWeight | None
     return None
 
 
+def pad_fp8_to_block(weight: LinearWeight, rows: bool) -> LinearWeight:
+    """A 2-D fp8_block weight with zero rows (else columns) up to the next 128 multiple: its scales already cover
+    the partial block, so they stay as they are and every product is unchanged (the padding adds zeros)."""
+    n, k = weight.data.shape
+    pad = -(n if rows else k) % FP8_BLOCK
+    if not pad:
+        return weight
+    zeros = weight.data.new_zeros((pad, k) if rows else (n, pad))
+    return LinearWeight.fp8_block(torch.cat([weight.data, zeros], dim=0 if rows else 1), weight.scale)
+
+
 def _slice_exact(weight: LinearWeight, size: int, rows: bool) -> bool:
     """Whether cutting `weight` into slices of `size` rows (else columns) keeps its stored values and scales."""
     total = weight.out_features if rows else weight.in_features
@@ -56,6 +67,12 @@ def _slice(weight: LinearWeight, i: int, size: int, rows: bool) -> LinearWeight:
     if rows:
         return LinearWeight.nvfp4(cut(weight.data, 1), cut(weight.scale, 1), weight.global_scale, weight.in_features)
     return LinearWeight.nvfp4(cut(weight.data, 2), cut(weight.scale, NVFP4_BLOCK), weight.global_scale, size)
+
+
+def _fp8_mlp(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> bool:
+    """A plain (2-D) gated MLP of fp8_block weights whose shapes chain: gate and up [I, H], down [H, I]."""
+    return (all(w.format is WeightFormat.FP8_BLOCK and w.data.dim() == 2 for w in (gate, up, down))
+            and gate.out_features == up.out_features == down.in_features and gate.in_features == up.in_features)
 
 
 def split_into_experts(gate: LinearWeight, up: LinearWeight, down: LinearWeight, like: LinearWeight
@@ -105,6 +122,12 @@ class GatedMLP:
     def __init__(self, backend: Backend, gate: LinearWeight, up: LinearWeight, down: LinearWeight):
         self.backend = backend
         self.gate_up = concat_out_features(gate, up)
+        if self.gate_up is None and _fp8_mlp(gate, up, down):
+            # An intermediate size off the 128 grid (V2-Lite's dense MLP: 10944) splits a scale block at the cut:
+            # zero channels pad it (gate and up rows, down columns; silu(0) * 0 = 0 adds nothing), so that gate
+            # and up still run as one projection: one launch, fused with SiLU, instead of two, a cat and silu_mul.
+            gate, up, down = pad_fp8_to_block(gate, True), pad_fp8_to_block(up, True), pad_fp8_to_block(down, False)
+            self.gate_up = concat_out_features(gate, up)
         self.gate, self.up = (None, None) if self.gate_up is not None else (gate, up)
         self.down = down
 
