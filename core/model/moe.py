@@ -76,8 +76,9 @@ class MoE:
 
     def _route(self, x: torch.Tensor, shared: int = 0, sort: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout | None]:
-        """-> (weights, ids) [T, top_k + shared]: the routed choices, then `shared` folded shared experts; and with
-        `sort` their layout where the backend's router computes it (FusedOps.route_sorted), else None."""
+        """-> (weights, ids, layout): weights and ids [T, top_k + shared], the routed choices then `shared` folded
+        shared experts; with `sort`, their layout where the backend's router computes it
+        (FusedOps.route_sorted), else None."""
         be = self.backend
         if x.shape[0] == 0:  # an idle expert-parallel rank joining the collectives with no tokens
             k = self.routing.top_k + shared

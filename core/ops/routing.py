@@ -117,4 +117,3 @@ def check_layout(layout: object, num_experts: int, topk_ids: torch.Tensor) -> No
                  device=topk_ids.device)
     check_tensor("layout.row_of_pair", layout.row_of_pair, shape=tuple(topk_ids.shape), dtypes=(torch.int32,),
                  device=topk_ids.device)
-
