@@ -222,44 +222,53 @@ def plan_mla(
     return plan if max_seq_len is None else _in_arena(plan)
 
 
-def _schedule_rows(batch, seq_split, dec, pre) -> list[int]:
-    """The schedule's integers, flat: meta [5, B], tok_seq [T], dec_items [n, 4], pre_items [m, 4]."""
+def _schedule_lists(batch, seq_split, dec, pre) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The schedule's integers, each flat: meta [5, B], tok_seq [T], dec_items [n, 4], pre_items [m, 4]."""
     starts = [0]
     for q in batch.query_lens:
         starts.append(starts[-1] + q)
     meta = [starts[:-1], list(batch.query_lens), list(batch.seq_lens),
             [n for n, _ in seq_split], [s for _, s in seq_split]]
     tok_seq = [i for i, q in enumerate(batch.query_lens) for _ in range(q)]
-    return [v for row in meta for v in row] + tok_seq + [v for it in dec for v in it] + [v for it in pre for v in it]
+    return ([v for row in meta for v in row], tok_seq, [v for it in dec for v in it], [v for it in pre for v in it])
 
 
 def _pack(batch, seq_split, dec, pre, device):
     """All schedule integers in one host tensor, copied to the device at once, then viewed apart."""
     b, t = batch.num_seqs, batch.num_tokens
-    host = torch.tensor(_schedule_rows(batch, seq_split, dec, pre), dtype=torch.int32)
+    host = host_tensor(chain(*_schedule_lists(batch, seq_split, dec, pre)), torch.int32)
     dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
     o1, o2, o3 = _META_ROWS * b, _META_ROWS * b + t, _META_ROWS * b + t + 4 * len(dec)
     return (dev[:o1].view(_META_ROWS, b), dev[o1:o2], dev[o2:o3].view(-1, 4), dev[o3:].view(-1, 4))
 
 
-# A graph plan's tensors in its arena, in this order: the int64 ones first (8-byte aligned), then the int32
-# ones, the schedule's four last in _schedule_rows' order.
+# A graph plan's tensors in its arena, in this order: the int64 ones first (8-byte aligned), then the int32 ones.
 _ARENA_INT64 = ("slot_mapping", "positions")
 _ARENA_INT32 = ("query_start_loc", "seq_lens", "block_table", "meta", "tok_seq", "dec_items", "pre_items")
 
 
+def _arena_views(buffer: torch.Tensor, plan: MLAPlan) -> dict[str, torch.Tensor]:
+    """Views of a flat int32 buffer (the device arena, or a host image of it) as `plan`'s arena lays its tensors
+    out, each of its shape; an int64 value takes two words. The one place that layout is written."""
+    views, at = {}, 0
+    for name in _ARENA_INT64 + _ARENA_INT32:
+        shape = getattr(plan, name).shape
+        wide = name in _ARENA_INT64
+        n = math.prod(shape) * (2 if wide else 1)
+        part = buffer[at : at + n]
+        views[name] = (part.view(torch.int64) if wide else part).view(shape)
+        at += n
+    return views
+
+
+def _arena_words(plan: MLAPlan) -> int:
+    return sum(getattr(plan, name).numel() * (2 if name in _ARENA_INT64 else 1) for name in _ARENA_INT64 + _ARENA_INT32)
+
+
 def _in_arena(plan: MLAPlan) -> MLAPlan:
     """The plan with every tensor a view of one int32 device buffer (values copied in)."""
-    sizes64 = [getattr(plan, name).numel() for name in _ARENA_INT64]
-    sizes32 = [getattr(plan, name).numel() for name in _ARENA_INT32]
-    arena = torch.empty(2 * sum(sizes64) + sum(sizes32), dtype=torch.int32, device=plan.seq_lens.device)
-    views, at = {}, 0
-    for name, n in zip(_ARENA_INT64, sizes64):
-        views[name] = arena[at : at + 2 * n].view(torch.int64).view(getattr(plan, name).shape)
-        at += 2 * n
-    for name, n in zip(_ARENA_INT32, sizes32):
-        views[name] = arena[at : at + n].view(getattr(plan, name).shape)
-        at += n
+    arena = torch.empty(_arena_words(plan), dtype=torch.int32, device=plan.seq_lens.device)
+    views = _arena_views(arena, plan)
     for name, view in views.items():
         view.copy_(getattr(plan, name))
     return dataclasses.replace(plan, arena=arena, **views)
@@ -310,18 +319,17 @@ def _replan_into(plan: MLAPlan, batch: AttentionBatch, spec: KVCacheSpec) -> MLA
                  pre_max_span=max((hi - lo for _, lo, hi, _ in pre), default=0),
                  max_splits=max(n for n, _ in seq_split))
     real += [(0, 0, 0, -2)] * (n_cap - len(real))
-    # The whole step in one host-to-device copy, laid out as _in_arena laid out the plan: a fresh pinned
-    # buffer each step (the copy may still be pending when the next step is planned), filled by C loops.
+    # The whole step in one host-to-device copy of an image of the arena: a fresh pinned buffer each step (the
+    # copy may still be pending when the next step is planned), filled by C loops.
     host = torch.empty(plan.arena.numel(), dtype=torch.int32, pin_memory=device.type == "cuda")
-    n64 = len(slot_map) + len(positions)
-    host[: 2 * n64].view(torch.int64).copy_(host_tensor(chain(slot_map, positions), torch.int64))
-    b, at = batch.num_seqs, 2 * n64
-    host[at : at + 2 * b + 1].copy_(host_tensor(chain(starts, lens), torch.int32))
-    at += 2 * b + 1
-    rows = host[at : at + b * plan.max_blocks].view(b, plan.max_blocks)
-    rows.zero_()
-    rows[:, :width].copy_(host_tensor(table, torch.int32).view(b, width))
-    host[at + b * plan.max_blocks :].copy_(host_tensor(_schedule_rows(batch, seq_split, real, pre), torch.int32))
+    image = _arena_views(host, plan)
+    values = dict(zip(("slot_mapping", "positions", "query_start_loc", "seq_lens"), (slot_map, positions, starts, lens)))
+    values.update(zip(("meta", "tok_seq", "dec_items", "pre_items"), _schedule_lists(batch, seq_split, real, pre)))
+    for name, vals in values.items():  # (copy_ narrows the int64 values to an int32 view itself)
+        view = image[name]
+        view.copy_(host_tensor(vals, torch.int64).view(view.shape))
+    image["block_table"].zero_()
+    image["block_table"][:, :width].copy_(host_tensor(table, torch.int64).view(batch.num_seqs, width))
     plan.arena.copy_(host, non_blocking=True)
     return dataclasses.replace(plan, batch=batch, split_tokens=split or 0, **spans)
 
