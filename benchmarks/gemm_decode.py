@@ -43,9 +43,9 @@ MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices,
 }
 RESULTS: list[dict] = []
 # (weight rows a program, K step, warps) for the GEMV's sweeps. The last two hold 128 and 256 E4M3 weights a
-# thread a step: a program's fixed work (the row's quantisation, the reductions) over more weights. An sm_90
-# compile of the grouped E4M3 kernel at K = 2048 (one step) has 13 instructions a weight at 8 x 2048 on 8 warps,
-# 8.3 at 16 x 2048 and 5.8 at 32 x 2048 (242 registers).
+# thread a step: a program's fixed work (the row's quantisation, the reductions) over more weights (sm_90: 13
+# instructions a weight at 8 x 2048 on 8 warps, 8.3 at 16 x 2048, 5.8 at 32 x 2048). They lost everywhere on the
+# H200 all the same (FP8 gate/up 25.2 / 33.2 us against 22.3 at 8 x 2048; RESULTS.md issue 10, twentieth session).
 GEMV_GROUPED_TILES = [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8), (8, 2048, 8),
                       (16, 2048, 8), (32, 2048, 8)]
 GEMV_DENSE_TILES = [(4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4), (16, 2048, 8),
