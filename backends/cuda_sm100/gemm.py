@@ -502,11 +502,10 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
             _check_sizes(group_sizes, groups, x.shape[0], x.device, validate)
     m = flat.shape[0]
     lead = x.shape[:-1]
-    if not quantize and cfg is None and layout in (0, 1):  # one decode token's rows: the GEMV
-        if layout == 1 and gemv_grouped_usable(flat, gate_up):
-            return gemv_grouped(flat, gate_up, group_sizes, gated=True).reshape(*lead, inter)
-        if layout == 0 and gemv_usable(flat, gate_up):
-            return gemv(flat, gate_up, gated=True).reshape(*lead, inter)
+    # One decode token's expert rows: the grouped GEMV. (A dense MLP's one row never comes here: the backend's
+    # gated_linear sends it to the GEMV itself.)
+    if not quantize and cfg is None and layout == 1 and gemv_grouped_usable(flat, gate_up):
+        return gemv_grouped(flat, gate_up, group_sizes, gated=True).reshape(*lead, inter)
     if quantize:
         out = torch.empty(m, inter, dtype=quant.FP8_DTYPE, device=x.device)
         out_scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=x.device)
