@@ -19,7 +19,7 @@ import torch
 from deepinfer.attention import AttentionBatch, AttentionPlan, KVCacheSpec
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
-from deepinfer.ops import ExpertLayout, FusedOps
+from deepinfer.ops import ExpertLayout, ExpertSum, FusedOps
 from deepinfer.quant import Fp8Activations
 from deepinfer.weights import LinearWeight
 
@@ -240,10 +240,12 @@ class Backend(ABC):
         from it instead of sorting; Dispatched.hidden may then be a view of x (one token: every row is it)."""
 
     @abstractmethod
-    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None
-                ) -> Pending[torch.Tensor]:
+    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None, *,
+                defer: bool = False) -> Pending[torch.Tensor | ExpertSum]:
         """Return expert outputs [R, H] to their tokens' ranks: out[t] = sum_k weight[t, k] * y[t, k], plus
-        add[t] when given ([T, H], the shared experts' output), in the same float32 sum (no separate add)."""
+        add[t] when given ([T, H], the shared experts' output), in the same float32 sum (no separate add).
+        defer (the caller hands the result to ops.add_rms_norm and nothing else): where the combine is a local
+        gather, a backend may return it unformed, as an ExpertSum, for that op to form in its own launch."""
 
     @abstractmethod
     def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -200,12 +200,12 @@ class CudaSM100Backend(ReferenceBackend):
             return ep_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, group, validate, capacity)
         return moe_comm.dispatch(self.ops, x, topk_ids, topk_weights, num_experts, validate, layout=layout)
 
-    def combine(self, dispatched, expert_out, add=None):
+    def combine(self, dispatched, expert_out, add=None, *, defer=False):
         from deepinfer.backends.cuda_sm100 import ep_comm, moe_comm
 
         state = getattr(dispatched, "state", None)
         if isinstance(state, moe_comm.LocalState):
-            return moe_comm.combine(dispatched, expert_out, add)
+            return moe_comm.combine(dispatched, expert_out, add, defer=defer)
         if isinstance(state, ep_comm.EPState):
             return ep_comm.combine(dispatched, expert_out, add)
         return super().combine(dispatched, expert_out, add)

@@ -17,7 +17,7 @@ import torch
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import ConfigError, InvalidInputError
-from deepinfer.ops import ExpertLayout, FusedOps, RoutingSpec, append_shared_experts, check_argmax
+from deepinfer.ops import ExpertLayout, ExpertSum, FusedOps, RoutingSpec, append_shared_experts, check_argmax
 from deepinfer.ops.rope import check_mla_rope_and_norm
 from deepinfer.weights import LinearWeight, WeightFormat
 
@@ -74,14 +74,16 @@ class CudaFusedOps(FusedOps):
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
         return NR.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    def add_rms_norm(self, x: torch.Tensor | ExpertSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
-        check_tensor("x", x, dtypes=FLOAT_DTYPES)
-        if not _norm_kernel_takes(x):
+        # An MoE's deferred combine (ExpertSum, built by moe_comm.combine) is formed in the norm's launch.
+        if not isinstance(x, ExpertSum):
+            check_tensor("x", x, dtypes=FLOAT_DTYPES)
+        if not _norm_kernel_takes(x.rows if isinstance(x, ExpertSum) else x):
             return super().add_rms_norm(x, residual, weight, eps, quantize=quantize)
         check_tensor("residual", residual, shape=list(x.shape), dtypes=(x.dtype,), device=x.device)
         check_tensor("weight", weight, ndim=1, shape=[x.shape[-1]], dtypes=FLOAT_DTYPES, device=x.device)
-        if quantize:  # the activation quantisation of an FP8 GEMM in the norm's launch
+        if quantize and not isinstance(x, ExpertSum):  # FP8 GEMMs' activation quantisation in the norm's launch
             check_tensor("x", x, ndim=2)
         return NR.add_rms_norm(x, residual, weight, eps, quantize)
 

@@ -16,7 +16,7 @@ import torch
 from deepinfer.backend import Dispatched, Pending
 from deepinfer.backends.reference.comm import check_combine_add, check_dispatch
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
-from deepinfer.ops import ExpertLayout, check_layout
+from deepinfer.ops import ExpertLayout, ExpertSum, check_layout
 from deepinfer.quant import cdiv
 
 
@@ -85,11 +85,15 @@ def _dispatch_small(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
     return rows, sizes, row_of_pair.reshape(t, k)
 
 
-def combine(dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None) -> Pending[torch.Tensor]:
+def combine(dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None, defer: bool = False
+            ) -> Pending[torch.Tensor | ExpertSum]:
+    """defer: the sum unformed (ExpertSum), for CudaFusedOps.add_rms_norm to form in its launch (one fewer)."""
     state: LocalState = dispatched.state
     rows = dispatched.hidden.shape[0]
     check_tensor("expert_out", expert_out, ndim=2, shape=(rows, None), dtypes=FLOAT_DTYPES, device=dispatched.hidden.device)
     check_combine_add(add, state.row_of_pair.shape[0], expert_out.shape[1], expert_out.device)
+    if defer:
+        return Pending.ready(ExpertSum(expert_out, state.row_of_pair, state.topk_weights, state.out_dtype, add))
     return Pending.ready(weighted_gather(expert_out, state.row_of_pair, state.topk_weights, state.out_dtype, add))
 
 
@@ -98,7 +102,7 @@ def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.T
     """out[t] = sum_j weights[t, j] * y[row_of_pair[t, j]] (+ add[t]) in a float32 sum (row -1 adds nothing)
     -> [T, H] out_dtype."""
     from deepinfer.backends.cuda_sm100 import routing_kernels as RK
-    from deepinfer.backends.cuda_sm100.gemm import cdiv, next_pow2
+    from deepinfer.backends.cuda_sm100.gemm import cdiv, interpreting, next_pow2
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     t, k = row_of_pair.shape
@@ -111,5 +115,5 @@ def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.T
         bh = min(1024, next_pow2(h))
         RK.combine_kernel[(t, cdiv(h, bh))](y, row_of_pair, weights, out, out if add is None else add, h, y.stride(0),
                                             out.stride(0), 0 if add is None else add.stride(0), K=k, BH=bh,
-                                            ADD=add is not None, num_warps=4, **launch_kwargs())
+                                            ADD=add is not None, EXACT=interpreting(), num_warps=4, **launch_kwargs())
     return out

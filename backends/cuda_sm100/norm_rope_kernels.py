@@ -27,10 +27,12 @@ import triton
 import triton.language as tl
 
 from deepinfer import quant
+from deepinfer.ops import ExpertSum
 from deepinfer.backends.cuda_sm100.pdl import enter, launch_kwargs
 
 from deepinfer.backends.cuda_sm100.gemm import cdiv, interpreting, next_pow2
 from deepinfer.backends.cuda_sm100.gemm_kernels import _cast, _quantize_rows
+from deepinfer.backends.cuda_sm100.routing_kernels import expert_pairs, weighted_rows_sum
 
 MAX_NORM_DIM = 16384  # a whole row stays in registers; wider rows go to the reference
 _NORM_TILE = 4096  # elements per rms_norm program (rows are packed into a block up to this)
@@ -45,15 +47,31 @@ def _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr,
     as rounded to o's dtype (float32 values) and their mask; STORE=False leaves o alone."""
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    res = _load_rows(r_ptr, rows, mask, stride_rr, BLOCK_D) if HAS_RESIDUAL else x
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return _norm_rows(x, res, w, mask, o_ptr, s_ptr, rows, DF, stride_or, stride_sr, eps, BLOCK_D, HAS_RESIDUAL,
+                      EXACT, STORE)
+
+
+@triton.jit
+def _load_rows(p, rows, mask, stride, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    return tl.load(p + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _norm_rows(x, res, w, mask, o_ptr, s_ptr, rows, DF, stride_or, stride_sr, eps,
+               BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr, STORE: tl.constexpr):
+    """_rms_norm_rows on rows already loaded: x and (HAS_RESIDUAL) res [BLOCK_R, BLOCK_D] float32, 0 where not
+    `mask`, and the norm's weight w [BLOCK_D] float32."""
+    cols = tl.arange(0, BLOCK_D)
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        res = tl.load(r_ptr + rows64[:, None] * stride_rr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         # PyTorch's x + residual: a float32 sum, one rounding; the norm reads the rounded sum back
         s = _cast(x + res, s_ptr.dtype.element_ty, EXACT)
         tl.store(s_ptr + rows64[:, None] * stride_sr + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     # The sum of squares in float64 (each square exact), rounded to float32 once at the end. The order of the
     # reduction follows the layout Triton picks for the whole kernel, which differs between the plain and the
     # quantising variant (sm_90 compile at D = 512: 4 vs 16 elements a thread), and their norms must agree bit
@@ -86,15 +104,36 @@ def _store_fp8_groups(q_ptr, qs_ptr, y, mask, rows, R, D, stride_qr, stride_qsr,
 
 @triton.jit(do_not_specialize=["R"])
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, q_ptr, qs_ptr, R, D, DF, stride_xr, stride_rr, stride_or,
-                    stride_sr, stride_qr, stride_qsr, stride_qsk, eps,
+                    stride_sr, stride_qr, stride_qsr, stride_qsk, eps, pair_row_ptr, pair_w_ptr, add_ptr, stride_ar,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
-                    QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                    QUANT: tl.constexpr = False, SUM_K: tl.constexpr = 0, SUM_ADD: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """x [R, D] (+ r [R, D] into s) -> o [R, D]; DF = float(D); one block of BLOCK_R rows per program. QUANT:
-    the normalised rows (rounded to o's dtype, o itself not written) go to q / qs as FP8 activations."""
-    enter(PDL)
+    the normalised rows (rounded to o's dtype, o itself not written) go to q / qs as FP8 activations.
+    SUM_K > 0 (an ExpertSum as x, with a residual): x's rows are formed here, as combine_kernel forms them, from
+    the expert rows at x_ptr, pair rows / weights [R, SUM_K] and, with SUM_ADD, add [R, D]; rounded to s's dtype."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    y, mask = _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or,
-                             stride_sr, eps, BLOCK_D, HAS_RESIDUAL, EXACT, not QUANT)
+    if SUM_K > 0:
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < R) & (cols[None, :] < D)
+        # Before the wait on the previous launch (PDL), the sum's parts other than the expert rows: they were
+        # written before the experts' GEMMs ran (ExpertSum), so their writers have finished.
+        pair_rows, pair_weights = expert_pairs(pair_row_ptr, pair_w_ptr, rows, rows < R, SUM_K)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if SUM_ADD:
+            x = _load_rows(add_ptr, rows, mask, stride_ar, BLOCK_D)
+        else:
+            x = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        enter(PDL)
+        res = _load_rows(r_ptr, rows, mask, stride_rr, BLOCK_D)  # issued with the expert rows' loads
+        x = weighted_rows_sum(x_ptr, pair_rows, pair_weights, x, cols, D, mask, stride_xr, SUM_K)
+        x = _cast(x, s_ptr.dtype.element_ty, EXACT).to(tl.float32)
+        y, mask = _norm_rows(x, res, w, mask, o_ptr, s_ptr, rows, DF, stride_or, stride_sr, eps, BLOCK_D,
+                             HAS_RESIDUAL, EXACT, not QUANT)
+    else:
+        enter(PDL)
+        y, mask = _rms_norm_rows(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, rows, R, D, DF, stride_xr, stride_rr, stride_or,
+                                 stride_sr, eps, BLOCK_D, HAS_RESIDUAL, EXACT, not QUANT)
     if QUANT:
         _store_fp8_groups(q_ptr, qs_ptr, y, mask, rows, R, D, stride_qr, stride_qsr, stride_qsk, BLOCK_R, BLOCK_D)
 
@@ -187,33 +226,51 @@ def _warps(elems: int) -> int:
     return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+def _rms_norm(x: torch.Tensor | ExpertSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
               quantize: bool = False):
     d = x.shape[-1]
-    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dtype = x.dtype
+    summed = None if residual is None else torch.empty(x.shape, dtype=dtype, device=x.device)
     if quantize:  # x [T, D]: e4m3 rows and column-major scales ([KB, T] transposed), as quantize_fp8 makes them
         q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device)
         qs = torch.empty(cdiv(d, quant.FP8_BLOCK), x.shape[0], dtype=torch.float32, device=x.device).t()
-        out = quant.Fp8Activations(q, qs, x.dtype)
+        out = quant.Fp8Activations(q, qs, dtype)
     else:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.shape.numel() == 0:
         return out, summed
-    x2 = _rows_view(x, 0)
-    # without a residual the kernel never touches r / s, nor o when quantising: x stands in for them
-    o2 = x2 if quantize else out.view(-1, d)
+    expert_sum = x if isinstance(x, ExpertSum) else None
+    if expert_sum is not None:  # the expert rows stand in for x; the sum's other parts go to their own arguments
+        # (the kernel reads row 0 for a dropped pair: with no rows at all every pair is dropped, and a zero row
+        # stands in)
+        x2 = _rows_view(expert_sum.rows, 0) if expert_sum.rows.shape[0] else expert_sum.rows.new_zeros(1, d)
+        pair_rows, pair_w = expert_sum.row_of_pair.contiguous(), expert_sum.weights.contiguous()
+        add = None if expert_sum.add is None else _rows_view(expert_sum.add, 0)
+    else:
+        x2 = _rows_view(x, 0)
+        pair_rows = pair_w = add = None
+    # Without a residual the kernel never touches r / s, nor o when quantising (only o's dtype is read): x, or
+    # the sum's own tensor, stands in for them.
+    o2 = out.view(-1, d) if not quantize else x2 if expert_sum is None else summed.view(-1, d)
     r2, s2 = (x2, o2) if residual is None else (_rows_view(residual, 0), summed.view(-1, d))
     q2, qs2 = (q, qs) if quantize else (o2, o2)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
-    r = x2.shape[0]
+    r = s2.shape[0] if expert_sum is not None else x2.shape[0]
     bd = max(next_pow2(d), quant.FP8_BLOCK if quantize else 1)  # quantising takes whole 128-column groups
     br = max(1, min(next_pow2(r), _NORM_TILE // bd))
+    warps, options = _warps(br * bd), {}
+    if expert_sum is not None:
+        # Every choice's row in flight at once: 8 columns a thread (one 16-byte load of a bf16 row each), and a
+        # register cap, without which ptxas (sm_90 compile, 8 warps) issued the rows' loads ~3 at a time.
+        warps, options = min(16, max(4, br * bd // 256)), {"maxnreg": 128}
     rms_norm_kernel[(cdiv(r, br),)](x2, r2, w, o2, s2, q2, qs2, r, d, float(d), x2.stride(0), r2.stride(0),
                                     o2.stride(0), s2.stride(0), q2.stride(0), qs2.stride(0), qs2.stride(1) if quantize else 0,
-                                    float(eps), BLOCK_R=br, BLOCK_D=bd,
-                                    HAS_RESIDUAL=residual is not None, EXACT=interpreting(), QUANT=quantize,
-                                    num_warps=_warps(br * bd), enable_fp_fusion=False,
-                                    **launch_kwargs())
+                                    float(eps), x2 if pair_rows is None else pair_rows, x2 if pair_w is None else pair_w,
+                                    x2 if add is None else add, 0 if add is None else add.stride(0),
+                                    BLOCK_R=br, BLOCK_D=bd, HAS_RESIDUAL=residual is not None, EXACT=interpreting(),
+                                    QUANT=quantize, SUM_K=0 if expert_sum is None else pair_rows.shape[1],
+                                    SUM_ADD=add is not None, num_warps=warps, enable_fp_fusion=False,
+                                    **options, **launch_kwargs())
     return out, summed
 
 
@@ -222,10 +279,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps, None)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
-                 ) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor | ExpertSum, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
     """Validated x, residual [..., D] of one dtype -> (RMSNorm(x + residual), x + residual), one launch; quantize
-    (x [T, D]): the norm as Fp8Activations (quant_fp8_kernel's values of the rounded norm)."""
+    (x [T, D]): the norm as Fp8Activations (quant_fp8_kernel's values of the rounded norm). x may be a validated
+    ExpertSum ([T, D], residual [T, D]): its sum is formed in the same launch, rounded to its dtype."""
     return _rms_norm(x, weight, eps, residual, quantize)
 
 

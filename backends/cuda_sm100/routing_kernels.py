@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer.backends.cuda_sm100.gemm_kernels import _cast
 from deepinfer.backends.cuda_sm100.pdl import enter
 
 
@@ -229,25 +230,50 @@ def sort_scatter_kernel(ids_ptr, base_ptr, slot_ptr, pair_ptr, P, E, cap, E_P: t
 
 
 @triton.jit
-def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_o, stride_a, K: tl.constexpr,
-                   BH: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr = False):
-    """out[t] = sum_j w[t, j] * y[row[t, j]] (+ add[t] with ADD) in float32, one program per (token, column
-    block): the gather, weighting and reduction of a local MoE combine in one launch, the shared experts'
-    output added in the same sum. row < 0 (dropped pair) adds nothing."""
-    enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    m = cols < H
-    if ADD:
-        acc = tl.load(add_ptr + t.to(tl.int64) * stride_a + cols, mask=m, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BH], dtype=tl.float32)
+def expert_pairs(row_ptr, w_ptr, toks, live, K: tl.constexpr):
+    """Tokens `toks`' (where `live`) K choices from rows / weights [T, K] (contiguous): two K-tuples of [BT]
+    vectors, each pair's expert row (int64; -1 for a dropped pair) and its float32 weight."""
+    toks64 = toks.to(tl.int64)
+    rows = ()
+    weights = ()
     for j in tl.static_range(K):
-        r = tl.load(row_ptr + t * K + j).to(tl.int64)
-        w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        v = tl.load(y_ptr + r * stride_y + cols, mask=m & (r >= 0), other=0.0).to(tl.float32)
-        acc += w * v
-    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+        rows = rows + (tl.load(row_ptr + toks64 * K + j, mask=live, other=-1).to(tl.int64),)
+        weights = weights + (tl.load(w_ptr + toks64 * K + j, mask=live, other=0.0).to(tl.float32),)
+    return rows, weights
+
+
+@triton.jit
+def weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, ncols, mask, stride_y, K: tl.constexpr):
+    """acc [BT, BH] float32 (zeros, or the shared experts' output) + sum_j w_j * y[row_j] over the choices of
+    expert_pairs, for columns `cols` [BH] of y's `ncols` (0 where not `mask`); a row < 0 adds nothing. The sum
+    is the same wherever it is formed (combine_kernel, or the norm after the MoE): the choices in order, each a
+    fused multiply-add whatever the kernel's fp-fusion setting. y must have a row 0 (a dropped pair reads it)."""
+    for j in tl.static_range(K):
+        r = pair_rows[j]
+        # One mask for every choice's load (a dropped pair reads row 0, then drops it): a predicate per load
+        # costs ptxas predicate registers.
+        v = tl.load(y_ptr + tl.maximum(r, 0)[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
+        acc = tl.fma(pair_weights[j][:, None], tl.where(r[:, None] >= 0, v.to(tl.float32), 0.0), acc)
+    return acc
+
+
+@triton.jit
+def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_o, stride_a, K: tl.constexpr,
+                   BH: tl.constexpr, ADD: tl.constexpr, EXACT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[t] = add[t] (ADD: the shared experts' output) + sum_j w[t, j] * y[row[t, j]] (weighted_rows_sum), one
+    program per (token, column block): the gather, weighting and reduction of a local MoE combine in one launch."""
+    enter(PDL)
+    t = tl.program_id(0) + tl.arange(0, 1)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = (cols < H)[None, :] & (t[:, None] >= 0)
+    if ADD:
+        acc = tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_a + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([1, BH], dtype=tl.float32)
+    pair_rows, pair_weights = expert_pairs(row_ptr, w_ptr, t, t >= 0, K)
+    acc = weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, H, m, stride_y, K)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], _cast(acc, out_ptr.dtype.element_ty, EXACT),
+             mask=m)
 
 
 @triton.jit

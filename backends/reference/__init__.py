@@ -72,9 +72,9 @@ class ReferenceBackend(Backend):
             check_layout(layout, num_experts, topk_ids)
         return comm.dispatch(x, topk_ids, topk_weights, num_experts, group, validate)
 
-    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None
-                ) -> Pending[torch.Tensor]:
-        return comm.combine(dispatched, expert_out, add)
+    def combine(self, dispatched: Dispatched, expert_out: torch.Tensor, add: torch.Tensor | None = None, *,
+                defer: bool = False) -> Pending[torch.Tensor]:
+        return comm.combine(dispatched, expert_out, add)  # always formed: the reference has no launches to save
 
     def all_reduce(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
         return comm.all_reduce(x, group)

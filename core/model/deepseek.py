@@ -17,6 +17,7 @@ from deepinfer.model.context import ForwardContext
 from deepinfer.model.mla import MLAttention
 from deepinfer.model.mlp import GatedMLP, split_into_experts, stack_experts
 from deepinfer.model.moe import MoE
+from deepinfer.ops import ExpertSum
 from deepinfer.moe.placement import ExpertPlacement
 from deepinfer.weights import LinearWeight
 
@@ -80,11 +81,13 @@ class DecoderLayer:
         return MoE(backend, config.routing_spec(), w["gate"], w.get("gate.e_score_correction_bias"), experts, shared,
                    placement, ep_group, folded_shared=folded)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | ExpertSum, ctx: ForwardContext, residual: torch.Tensor | None = None, *,
+                defer_combine: bool = False) -> tuple[torch.Tensor | ExpertSum, torch.Tensor]:
         """The layer on hidden state x + residual (x alone when residual is None) -> (out, residual) whose sum is
         its output hidden state. Each residual add is fused into the norm that follows it (one launch less per
-        add); the sums are the same roundings as adding first."""
+        add); the sums are the same roundings as adding first. defer_combine (out goes to ops.add_rms_norm only:
+        the next layer's or the final norm): an MoE layer's out may be its combine unformed, an ExpertSum, which
+        that norm forms in its own launch; x may be one from the layer before."""
         ops = self.backend.ops
         if residual is None:
             normed, residual = ops.rms_norm(x, self.input_layernorm, self.eps), x
@@ -94,7 +97,7 @@ class DecoderLayer:
         attn = self.self_attn.forward(normed, ctx, self.index)
         normed, residual = ops.add_rms_norm(attn, residual, self.post_attention_layernorm, self.eps)
         if isinstance(self.mlp, MoE):
-            return self.mlp.forward(normed, ctx.moe_capacity), residual
+            return self.mlp.forward(normed, ctx.moe_capacity, defer_combine), residual
         return self.mlp.forward(normed), residual
 
 
@@ -161,7 +164,7 @@ class DeepseekModel:
         x, residual = self.embed(input_ids), None
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, ctx, residual)
+            x, residual = layer.forward(x, ctx, residual, defer_combine=i not in capture)
             if i in capture:
                 taken[i] = x + residual  # the sum the next layer's fused add forms too: the same rounding
         eps = self.config.rms_norm_eps

@@ -24,7 +24,7 @@ from deepinfer.backend import Backend
 from deepinfer.errors import ConfigError
 from deepinfer.model.mlp import GatedMLP
 from deepinfer.moe.placement import ExpertPlacement
-from deepinfer.ops import ExpertLayout, RoutingSpec
+from deepinfer.ops import ExpertLayout, ExpertSum, RoutingSpec
 from deepinfer.weights import LinearWeight
 
 # Tokens up to which a folded layer runs its shared slices inside the routed grouped GEMMs (to be tuned on the
@@ -95,8 +95,11 @@ class MoE:
             out = out + mlp.forward(x)
         return out
 
-    def forward(self, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-        """capacity: under expert parallelism, the token bound every rank's dispatch passes alike."""
+    def forward(self, x: torch.Tensor, capacity: int | None = None, defer_combine: bool = False
+                ) -> torch.Tensor | ExpertSum:
+        """capacity: under expert parallelism, the token bound every rank's dispatch passes alike.
+        defer_combine (the output goes to ops.add_rms_norm only): the backend may hand the combine back unformed
+        (Backend.combine(defer=True)), for that norm to form it in its launch."""
         be = self.backend
         fold = self.folded_shared if x.shape[0] <= self.fold_max_tokens else 0
         # In one process with every slice in the choices, the router may lay them out for the dispatch too.
@@ -118,4 +121,5 @@ class MoE:
             shared = self._shared_apart(x)
         dispatched = pending.wait()
         expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes)
-        return be.combine(dispatched, expert_out, add=shared).wait()  # the shared output joins the routed sum
+        # The shared output joins the routed sum.
+        return be.combine(dispatched, expert_out, add=shared, defer=defer_combine).wait()

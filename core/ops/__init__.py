@@ -12,6 +12,7 @@ import torch
 from deepinfer import quant
 from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
+from deepinfer.ops.expert_sum import ExpertSum
 from deepinfer.ops.norm import add_rms_norm, rms_norm, silu_and_mul
 from deepinfer.ops.prefill_attention import prefill_attention
 from deepinfer.ops.rope import RopeSpec, YarnScaling, apply_rope, check_mla_rope_and_norm, yarn_mscale
@@ -21,7 +22,7 @@ from deepinfer.weights import LinearWeight
 __all__ = [
     "FusedOps", "RopeSpec", "YarnScaling", "RoutingSpec",
     "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rope", "select_experts", "append_shared_experts", "yarn_mscale",
-    "prefill_attention", "check_argmax", "ExpertLayout", "check_layout",
+    "prefill_attention", "check_argmax", "ExpertLayout", "check_layout", "ExpertSum",
 ]
 
 
@@ -31,11 +32,15 @@ class FusedOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    def add_rms_norm(self, x: torch.Tensor | ExpertSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                      quantize: bool = False) -> tuple[torch.Tensor | quant.Fp8Activations, torch.Tensor]:
         """-> (rms_norm(summed), summed) with summed = x + residual in x's dtype (residual: x's shape and dtype).
         quantize (x [T, D]): the norm comes back quantised, as Fp8Activations (quantize_fp8_per_token_group), for
-        FP8 projections (a backend may quantise in the norm's own launch; the values are the same)."""
+        FP8 projections (a backend may quantise in the norm's own launch; the values are the same).
+        x may be an ExpertSum (an MoE's deferred combine): the same as its evaluate() as x, where a backend may
+        form the sum in the norm's launch."""
+        if isinstance(x, ExpertSum):
+            x = x.evaluate()
         if quantize:
             check_tensor("x", x, ndim=2)
         normed, summed = add_rms_norm(x, residual, weight, eps)
