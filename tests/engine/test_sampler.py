@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from deepinfer.engine.sampler import keyed_exponential, sample_rows, sample_token
+from deepinfer.engine.sampler import exponential_from_bits_, keyed_exponential, sample_rows, sample_token
 from deepinfer.engine.sampling_params import SamplingParams
 
 
@@ -88,6 +88,27 @@ def test_keyed_noise_is_exponential_and_keyed(gen):
     assert abs(float(torch.corrcoef(noise[:2])[0, 1])) < 0.05
     assert abs(float(torch.corrcoef(torch.stack([noise[0, :-1], noise[0, 1:]]))[0, 1])) < 0.05
     assert torch.equal(keyed_exponential([seed], [7], 20000, "cpu")[0], noise[0])
+
+
+def test_every_hash_value_gives_a_finite_positive_draw(gen):
+    """The race divides by the draw: a draw of 0 makes p / 0 = inf for a kept token and 0 / 0 = NaN (which argmax
+    takes) for a filtered one. Every one of the 2**23 values the draw depends on, at both ends of its bit range."""
+    top = torch.arange(1 << 23, dtype=torch.int64)
+    for low in (0, (1 << 9) - 1, int(torch.randint(0, 1 << 9, (), generator=gen))):
+        draws = exponential_from_bits_((top << 9) | low)
+        assert torch.isfinite(draws).all() and (draws > 0).all()
+        assert draws.max() < 17.0 and draws.min() < 1e-6  # -log(2**-24) ~ 16.6 and -log(1 - 2**-24) ~ 6e-8
+
+
+def test_filtered_tokens_are_never_sampled_over_a_large_vocabulary(gen):
+    """Each row draws once per token: over 2**24 token draws a rare draw value would show up about once."""
+    rows, vocab = 32, 1 << 19
+    logits = torch.randn(rows, vocab, generator=gen)
+    params = [SamplingParams(temperature=1.0, top_k=3) for _ in range(rows)]
+    seeds = torch.randint(0, 2**40, (rows,), generator=gen).tolist()
+    tokens = sample_rows(logits, params, seeds, list(range(rows)))
+    allowed = logits.topk(3, dim=-1).indices
+    assert all(t in allowed[r].tolist() for r, t in enumerate(tokens))
 
 
 def test_penalties_and_suppression_on_the_one_row_path(gen):
