@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.checks import FLOAT_DTYPES, check_tensor
+from deepinfer.errors import InvalidInputError
+
 
 @dataclass(frozen=True, eq=False)
 class ExpertSum:
@@ -26,6 +29,16 @@ class ExpertSum:
     weights: torch.Tensor
     dtype: torch.dtype
     add: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor("expert rows", self.rows, ndim=2, dtypes=FLOAT_DTYPES)
+        dev = self.rows.device
+        check_tensor("row_of_pair", self.row_of_pair, ndim=2, dtypes=(torch.int32, torch.int64), device=dev)
+        check_tensor("pair weights", self.weights, shape=tuple(self.row_of_pair.shape), dtypes=FLOAT_DTYPES, device=dev)
+        if self.dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(f"an expert sum's dtype must be a float dtype, got {self.dtype}")
+        if self.add is not None:
+            check_tensor("add", self.add, shape=tuple(self.shape), dtypes=FLOAT_DTYPES, device=dev)
 
     @property
     def shape(self) -> torch.Size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.errors import InvalidInputError
 from deepinfer.ops import ExpertSum
 from deepinfer.ops.norm import add_rms_norm as reference_add_rms_norm
 from deepinfer.quant import FP8_BLOCK, Fp8Activations
@@ -108,3 +109,12 @@ def test_norm_forms_an_expert_sum_with_every_pair_dropped(backend, gen):
     normed, summed = backend.ops.add_rms_norm(es, residual, weight, EPS)
     _close(summed, want_summed, 1e-6)
     _close(normed, want_normed, 1e-5)
+
+
+def test_a_malformed_expert_sum_is_refused(gen):
+    rows, pairs, weights = torch.randn(6, 16, generator=gen), torch.zeros(2, 3, dtype=torch.int32), torch.rand(2, 3)
+    for bad in (dict(row_of_pair=pairs.float()), dict(weights=weights[:, :2]), dict(rows=rows[0]),
+                dict(add=torch.randn(2, 15, generator=gen)), dict(dtype=torch.int32)):
+        parts = dict(rows=rows, row_of_pair=pairs, weights=weights, dtype=torch.float32, add=None) | bad
+        with pytest.raises(InvalidInputError):
+            ExpertSum(**parts)
