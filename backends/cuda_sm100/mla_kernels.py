@@ -270,7 +270,8 @@ def mla_attn_kernel(
     slot == -1 write the normalised output and lse directly; slot >= 0 writes float32 partials at partial
     rows slot + j for the combine kernel; slot < -1 is capacity padding and does nothing.
     """
-    enter(PDL)
+    # The work item and its sequence's metadata come from the step's plan, which the host wrote before the
+    # step's first kernel: read before the PDL wait, their two dependent loads overlap the previous kernel.
     item = tl.program_id(0) // row_tiles
     seq = tl.load(items_ptr + item * 4)
     kv_lo = tl.load(items_ptr + item * 4 + 1)
@@ -279,6 +280,7 @@ def mla_attn_kernel(
     tok0 = tl.load(meta_ptr + seq)
     qlen = tl.load(meta_ptr + meta_stride + seq)
     slen = tl.load(meta_ptr + 2 * meta_stride + seq)
+    enter(PDL)
 
     rows = (tl.program_id(0) % row_tiles) * BM + tl.arange(0, BM)
     j = rows // H
@@ -443,17 +445,19 @@ def mla_combine_kernel(
     """Merge the split partials of token t, heads [h0, h0 + HB), columns [d0, d0 + DC): softmax-weighted by
     each split's lse, in split order (the result does not depend on the rest of the batch). Tokens of
     sequences without partials (first slot -1) were written directly by the attention kernel: skipped."""
-    enter(PDL)
     t = tl.program_id(0)
     hs = tl.program_id(1) * HB + tl.arange(0, HB)
     cols = tl.program_id(2) * DC + tl.arange(0, DC)
     hmask = hs < H
     cmask = cols < R
+    # The plan's metadata (host-written before the step's first kernel) before the PDL wait, as in the attention
+    # kernel; the partials, which the previous kernel wrote, after it.
     seq = tl.load(tok_seq_ptr + t)
     tok0 = tl.load(meta_ptr + seq)
     qlen = tl.load(meta_ptr + meta_stride + seq)
     nsplit = tl.load(meta_ptr + 3 * meta_stride + seq)
     first_slot = tl.load(meta_ptr + 4 * meta_stride + seq)
+    enter(PDL)
     base = tl.where(first_slot >= 0, first_slot + (t - tok0), -1)
     n_loop = tl.where(base >= 0, nsplit, 0)
     m = tl.full([HB], float("-inf"), tl.float32)

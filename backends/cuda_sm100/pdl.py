@@ -2,10 +2,13 @@
 
 A decode step at batch 1 is a chain of ~15 small launches per layer, each paying its launch and ramp-up in
 full after the previous kernel drains. With PDL a kernel may be scheduled while its predecessor still runs:
-every kernel here starts with `enter`, which waits for the previous grid to finish and flush its memory
-(griddepcontrol.wait) before anything else, then lets its own successor launch (griddepcontrol.launch_dependents).
-Nothing is read or written before the wait, so stream order holds as without PDL; what overlaps is the launch
-and the CTAs' arrival. A kernel after a launch without PDL (cuBLAS, torch ops) simply starts when that one ends.
+every kernel here calls `enter`, which waits for the previous grid to finish and flush its memory
+(griddepcontrol.wait), then lets its own successor launch (griddepcontrol.launch_dependents). Nothing is written
+before the wait, and only what is settled is read before it, so stream order holds as without PDL: what no
+kernel of the step writes (weights, the attention plan the host wrote before the step's first kernel), or what
+a kernel at least two launches back wrote (its successor waited for it before letting this kernel launch).
+What overlaps is the launch, the CTAs' arrival and those reads. A kernel after a launch without PDL (cuBLAS,
+torch ops) simply starts when that one ends.
 
 A one-matrix GEMM also asks for the first K blocks of its weight rows (what its pipeline's first stages load) in L2
 before its wait (gemm_kernel's PREFETCH), so their streaming starts during the previous kernel. H200, V2-Lite
