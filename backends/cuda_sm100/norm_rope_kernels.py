@@ -126,7 +126,7 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, q_ptr, qs_ptr, R, D, DF, 
             x = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         enter(PDL)
         res = _load_rows(r_ptr, rows, mask, stride_rr, BLOCK_D)  # issued with the expert rows' loads
-        x = weighted_rows_sum(x_ptr, pair_rows, pair_weights, x, cols, D, mask, stride_xr, SUM_K)
+        x = weighted_rows_sum(x_ptr, pair_rows, pair_weights, x, cols, mask, stride_xr, SUM_K)
         x = _cast(x, s_ptr.dtype.element_ty, EXACT).to(tl.float32)
         y, mask = _norm_rows(x, res, w, mask, o_ptr, s_ptr, rows, DF, stride_or, stride_sr, eps, BLOCK_D,
                              HAS_RESIDUAL, EXACT, not QUANT)

@@ -243,15 +243,15 @@ def expert_pairs(row_ptr, w_ptr, toks, live, K: tl.constexpr):
 
 
 @triton.jit
-def weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, ncols, mask, stride_y, K: tl.constexpr):
+def weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, mask, stride_y, K: tl.constexpr):
     """acc [BT, BH] float32 (zeros, or the shared experts' output) + sum_j w_j * y[row_j] over the choices of
-    expert_pairs, for columns `cols` [BH] of y's `ncols` (0 where not `mask`); a row < 0 adds nothing. The sum
+    expert_pairs, for columns `cols` [BH] (0 where not `mask`); a row < 0 adds nothing. The sum
     is the same wherever it is formed (combine_kernel, or the norm after the MoE): the choices in order, each a
     fused multiply-add whatever the kernel's fp-fusion setting. y must have a row 0 (a dropped pair reads it)."""
     for j in tl.static_range(K):
         r = pair_rows[j]
-        # One mask for every choice's load (a dropped pair reads row 0, then drops it): a predicate per load
-        # costs ptxas predicate registers.
+        # One mask for every choice's load, so the loads share one predicate (a dropped pair reads row 0, then
+        # drops it).
         v = tl.load(y_ptr + tl.maximum(r, 0)[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
         acc = tl.fma(pair_weights[j][:, None], tl.where(r[:, None] >= 0, v.to(tl.float32), 0.0), acc)
     return acc
@@ -271,7 +271,7 @@ def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_
     else:
         acc = tl.zeros([1, BH], dtype=tl.float32)
     pair_rows, pair_weights = expert_pairs(row_ptr, w_ptr, t, t >= 0, K)
-    acc = weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, H, m, stride_y, K)
+    acc = weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, m, stride_y, K)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], _cast(acc, out_ptr.dtype.element_ty, EXACT),
              mask=m)
 

@@ -118,3 +118,16 @@ def test_a_malformed_expert_sum_is_refused(gen):
         parts = dict(rows=rows, row_of_pair=pairs, weights=weights, dtype=torch.float32, add=None) | bad
         with pytest.raises(InvalidInputError):
             ExpertSum(**parts)
+
+
+def test_combine_kernel_with_every_pair_dropped(backend, gen):
+    """cuda_sm100's formed combine (also expert parallelism's) over no expert rows at all: the shared output."""
+    if backend.name != "cuda_sm100":
+        pytest.skip("cuda_sm100's combine kernel")
+    from deepinfer.backends.cuda_sm100.moe_comm import weighted_gather
+
+    dev, t, h = backend.device, 3, 96
+    add = torch.randn(t, h, generator=gen).to(dev)
+    out = weighted_gather(torch.empty(0, h, device=dev), torch.full((t, 2), -1, dtype=torch.int32, device=dev),
+                          torch.rand(t, 2, generator=gen).to(dev), torch.float32, add)
+    assert torch.equal(out.cpu(), add.cpu())
