@@ -108,8 +108,8 @@ def gemv(x, weight: LinearWeight, gated: bool = False, bn: int | None = None, bk
     k = weight.in_features
     n = weight.out_features // 2 if gated else weight.out_features
     out = torch.empty(*data.shape[:-1], n, dtype=x.dtype if x_fp8 else data.dtype, device=data.device)
-    _launch(data.reshape(1, k), x.scale if x_fp8 else data.reshape(1, k), weight, out.reshape(1, n), n, 1,
-                 None, x_fp8, gated, default_tiles(weight, k, bn, bk, warps))
+    _launch(data.reshape(1, k), x.scale if x_fp8 else data.reshape(1, k), weight, out.reshape(1, n), n, 1, None,
+            x_fp8, gated, default_tiles(weight, k, bn, bk, warps))
     return out
 
 

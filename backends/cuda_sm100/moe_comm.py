@@ -109,9 +109,7 @@ def weighted_gather(y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.T
     h = y.shape[1]
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if t and h:
-        y = y if y.stride(-1) == 1 else y.contiguous()
-        if not y.shape[0]:  # every pair dropped: the kernel still reads row 0 for them (weighted_rows_sum)
-            y = y.new_zeros(1, h)
+        y = RK.gatherable_rows(y if y.stride(-1) == 1 else y.contiguous())
         if add is not None and add.stride(-1) != 1:
             add = add.contiguous()
         bh = min(1024, next_pow2(h))

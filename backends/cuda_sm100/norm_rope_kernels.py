@@ -32,7 +32,7 @@ from deepinfer.backends.cuda_sm100.pdl import enter, launch_kwargs
 
 from deepinfer.backends.cuda_sm100.gemm import cdiv, interpreting, next_pow2
 from deepinfer.backends.cuda_sm100.gemm_kernels import _cast, _quantize_rows
-from deepinfer.backends.cuda_sm100.routing_kernels import expert_pairs, weighted_rows_sum
+from deepinfer.backends.cuda_sm100.routing_kernels import expert_pairs, gatherable_rows, weighted_rows_sum
 
 MAX_NORM_DIM = 16384  # a whole row stays in registers; wider rows go to the reference
 _NORM_TILE = 4096  # elements per rms_norm program (rows are packed into a block up to this)
@@ -241,9 +241,7 @@ def _rms_norm(x: torch.Tensor | ExpertSum, weight: torch.Tensor, eps: float, res
         return out, summed
     expert_sum = x if isinstance(x, ExpertSum) else None
     if expert_sum is not None:  # the expert rows stand in for x; the sum's other parts go to their own arguments
-        # (the kernel reads row 0 for a dropped pair: with no rows at all every pair is dropped, and a zero row
-        # stands in)
-        x2 = _rows_view(expert_sum.rows, 0) if expert_sum.rows.shape[0] else expert_sum.rows.new_zeros(1, d)
+        x2 = gatherable_rows(_rows_view(expert_sum.rows, 0))
         pair_rows, pair_w = expert_sum.row_of_pair.contiguous(), expert_sum.weights.contiguous()
         add = None if expert_sum.add is None else _rows_view(expert_sum.add, 0)
     else:

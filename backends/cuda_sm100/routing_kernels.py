@@ -247,7 +247,7 @@ def weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, mask, stride_y,
     """acc [BT, BH] float32 (zeros, or the shared experts' output) + sum_j w_j * y[row_j] over the choices of
     expert_pairs, for columns `cols` [BH] (0 where not `mask`); a row < 0 adds nothing. The sum
     is the same wherever it is formed (combine_kernel, or the norm after the MoE): the choices in order, each a
-    fused multiply-add whatever the kernel's fp-fusion setting. y must have a row 0 (a dropped pair reads it)."""
+    fused multiply-add whatever the kernel's fp-fusion setting. y must have a row 0 (gatherable_rows)."""
     for j in tl.static_range(K):
         r = pair_rows[j]
         # One mask for every choice's load, so the loads share one predicate (a dropped pair reads row 0, then
@@ -255,6 +255,12 @@ def weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, mask, stride_y,
         v = tl.load(y_ptr + tl.maximum(r, 0)[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
         acc = tl.fma(pair_weights[j][:, None], tl.where(r[:, None] >= 0, v.to(tl.float32), 0.0), acc)
     return acc
+
+
+def gatherable_rows(y):
+    """y [R, H] as weighted_rows_sum may read it: itself, or one zero row when it has none (every pair is then
+    dropped, and a dropped pair still reads row 0)."""
+    return y if y.shape[0] else y.new_zeros(1, y.shape[1])
 
 
 @triton.jit
