@@ -171,14 +171,17 @@ def sample_rows_device(logits: torch.Tensor, params: Sequence[SamplingParams], s
     x = logits.float()
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     pick = argmax or _torch_argmax
-    choice = pick(x)
-    if sampled:
+    if not sampled:
+        return pick(x)
+    if len(sampled) == len(params):  # every row sampled: no greedy argmax over the rows, and no gather
+        rows, sub = None, x
+    else:
         rows = to_device(sampled, torch.int64, x.device)
         sub = x.index_select(0, rows)
-        probs = apply_filters_rows(sub, [params[i] for i in sampled]).softmax(-1)
-        noise = keyed_exponential([seeds[i] for i in sampled], [positions[i] for i in sampled], x.shape[-1], x.device)
-        choice = choice.index_copy(0, rows, pick(probs / noise))
-    return choice
+    probs = apply_filters_rows(sub, [params[i] for i in sampled]).softmax(-1)
+    noise = keyed_exponential([seeds[i] for i in sampled], [positions[i] for i in sampled], x.shape[-1], x.device)
+    raced = pick(probs / noise)
+    return raced if rows is None else pick(x).index_copy(0, rows, raced)
 
 
 def sample_token(
