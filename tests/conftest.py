@@ -51,8 +51,9 @@ def backend(backend_name):
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    """A generator seeded freshly per test (seed printed on failure through the test id's log)."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator seeded freshly per test (seed printed on failure through the test id's log); set
+    DEEPINFER_TEST_SEED to replay a failure's seed."""
+    seed = int(os.environ.get("DEEPINFER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"random seed: {seed}")
     g = torch.Generator()
     g.manual_seed(seed)
