@@ -190,10 +190,14 @@ class Backend(ABC):
         before waiting for x."""
 
     def gated_linear(self, x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None, *,
-                     validate: bool = True) -> torch.Tensor:
+                     validate: bool = True, settled_tail: int = 0) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight (the first half of a gated MLP),
         -> [M, I]; with group_sizes, grouped as grouped_linear. By default the projection then
-        ops.silu_and_mul; a backend may fuse the two."""
+        ops.silu_and_mul; a backend may fuse the two.
+        settled_tail (grouped): the last settled_tail rows of x are one row each of the last settled_tail groups
+        (one token's always-chosen shared-expert slices), and x was written at least two launches back on this
+        stream: a backend whose kernels start before their predecessor ends (programmatic dependent launch) may
+        compute those rows before waiting for the group sizes' writer."""
         if group_sizes is None:
             return self.ops.silu_and_mul(self.linear(x, gate_up))
         return self.ops.silu_and_mul(self.grouped_linear(x, gate_up, group_sizes, validate=validate))

@@ -168,7 +168,7 @@ class CudaSM100Backend(ReferenceBackend):
             return gemm.per_head_linear(x, weight, quantize, batch_invariant=self.batch_invariant)
         return super().per_head_linear(x, weight, quantize=quantize)
 
-    def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True):
+    def gated_linear(self, x, gate_up, group_sizes=None, *, validate=True, settled_tail=0):
         from deepinfer.backends.cuda_sm100 import gemm, gemv
 
         # A dense MLP's one decode row: the GEMV with SiLU-and-mul in its epilogue (one launch).
@@ -180,7 +180,8 @@ class CudaSM100Backend(ReferenceBackend):
         # batch-invariant mode keeps one path for every size.
         if (group_sizes is not None and self._triton_runs_here() and not self.batch_invariant
                 and gemm.fuse_gate_up(x.shape[0], gate_up.num_groups)):
-            return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate)
+            return gemm.gate_up_silu(x, gate_up, group_sizes, quantize=False, validate=validate,
+                                     settled_tail=settled_tail)
         return super().gated_linear(x, gate_up, group_sizes, validate=validate)
 
     # --- MoE communication: a device-side counting sort and a fused combine in one process (moe_comm.py);

@@ -472,13 +472,14 @@ def fuse_gate_up(rows: int, groups: int) -> bool:
 
 def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, quantize: bool = True, cfg: TileConfig | None = None,
-                 validate: bool = True):
+                 validate: bool = True, settled_tail: int = 0):
     """silu(x @ gate^T) * (x @ up^T) for a [.., 2I, K] gate/up weight, in one kernel.
 
     Layout: a 2-D weight (dense MLP), or stacked with group_sizes (contiguous, x [M, K]) or counts (masked,
     x [G, cap, K]). With `quantize` (FP8 weights, I a multiple of 128) the result comes back as e4m3 plus
     fp32 scales per token per 128 channels, ready for the down projection; else in x's dtype. Numerically
     it is silu_and_mul(linear(x, gate_up)) with the same roundings, then quantize_fp8_per_token_group.
+    settled_tail: Backend.gated_linear's (taken by the grouped GEMV).
     """
     stacked = group_sizes is not None or counts is not None
     gate_up = _check_weight(gate_up, 3 if stacked else 2)
@@ -505,7 +506,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
     # One decode token's expert rows: the grouped GEMV. (A dense MLP's one row never comes here: the backend's
     # gated_linear sends it to the GEMV itself.)
     if not quantize and cfg is None and layout == 1 and gemv_grouped_usable(flat, gate_up):
-        return gemv_grouped(flat, gate_up, group_sizes, gated=True).reshape(*lead, inter)
+        return gemv_grouped(flat, gate_up, group_sizes, gated=True, settled_tail=settled_tail).reshape(*lead, inter)
     if quantize:
         out = torch.empty(m, inter, dtype=quant.FP8_DTYPE, device=x.device)
         out_scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=x.device)

@@ -80,7 +80,7 @@ def default_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, 
 
 
 def _launch(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, x_fp8: bool, gated: bool,
-            tiles: tuple[int, int, int], sizes_early: bool = False) -> None:
+            tiles: tuple[int, int, int], sizes_early: bool = False, tail: int = 0) -> None:
     from deepinfer.backends.cuda_sm100 import gemv_kernels as V
 
     bn, bk, warps = tiles
@@ -90,11 +90,14 @@ def _launch(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, x_fp8
     grouped = sizes is not None  # else a 3-D weight is one matrix a row (per head), a 2-D one every row's
     stacked = w.dim() == 3
     groups = w.shape[0] if stacked else 1
-    V.gemv_kernel[(rows, cdiv(n, bn))](
+    pdl = bool(launch_kwargs())
+    tail = tail if grouped else 0
+    grid = (cdiv(n, bn), rows) if tail else (rows, cdiv(n, bn))
+    V.gemv_kernel[grid](
         data, xs, w, ws, out, sizes if grouped else out, rows, n, groups, data.stride(0), xs.stride(0), xs.stride(-1),
         w.stride(0) if stacked else 0, w.stride(-2), ws.stride(0) if stacked else 0, ws.stride(-2), out.stride(0),
         K=weight.in_features, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, GROUPED=grouped, G_P=next_pow2(groups),
-        GATED=gated, EXACT=triton_interpreter_requested(), SIZES_EARLY=grouped and sizes_early and bool(launch_kwargs()),
+        GATED=gated, EXACT=triton_interpreter_requested(), SIZES_EARLY=grouped and sizes_early and pdl, TAIL=tail,
         num_warps=warps, **launch_kwargs())
 
 
@@ -115,19 +118,22 @@ def gemv(x, weight: LinearWeight, gated: bool = False, bn: int | None = None, bk
 
 def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tensor, x_scale: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, gated: bool = False, bn: int | None = None,
-                 bk: int | None = None, warps: int | None = None, sizes_early: bool = False) -> torch.Tensor:
+                 bk: int | None = None, warps: int | None = None, sizes_early: bool = False,
+                 settled_tail: int = 0) -> torch.Tensor:
     """Rows x [M, K] sorted by group (group_sizes [G] on the device) times their groups' weights [G, N_w, K], each
     row its own pass over its group's weight: for gemv_grouped_usable() calls. gated: the weight is [gate; up]
     and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it. x may be E4M3 with x_scale.
     sizes_early (Backend.grouped_linear's sizes_settled): under PDL each program reads the sizes (from L2) and
     loads its first weight slab before waiting for the previous kernel. H200, V2-Lite bf16 batch 1 (down
-    projection): e2e 466.5 / 466.6 -> 471.9 / 470.3 tok/s."""
+    projection): e2e 466.5 / 466.6 -> 471.9 / 470.3 tok/s. settled_tail (Backend.gated_linear's): under PDL the
+    programs of the last settled_tail rows, one row each of the last groups, are scheduled first and compute
+    before the wait."""
     x_fp8 = x_scale is not None and x.dtype == quant.FP8_DTYPE
     m, k = x.shape
     n = weight.out_features // 2 if gated else weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (torch.bfloat16 if x_fp8 else x.dtype), device=x.device)
     _launch(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated,
-            default_tiles(weight, k, bn, bk, warps), sizes_early)
+            default_tiles(weight, k, bn, bk, warps), sizes_early, min(settled_tail, m, weight.data.shape[0]))
     return out
 
 

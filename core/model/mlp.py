@@ -145,9 +145,10 @@ class GatedMLP:
             return self.backend.linear(x, weight)
         return self.backend.grouped_linear(x, weight, group_sizes, validate=False, sizes_settled=settled)  # from dispatch
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor | None = None, settled_tail: int = 0) -> torch.Tensor:
+        """settled_tail: Backend.gated_linear's (x's last rows are the shared-expert slices' own)."""
         if self.gate_up is not None:  # sizes come from dispatch: no value check
-            hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False)
+            hidden = self.backend.gated_linear(x, self.gate_up, group_sizes, validate=False, settled_tail=settled_tail)
         else:
             gate_up = torch.cat([self._project(x, self.gate, group_sizes),
                                  self._project(x, self.up, group_sizes, settled=True)], dim=-1)

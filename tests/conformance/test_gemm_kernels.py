@@ -357,7 +357,8 @@ def test_decode_gemv_matches_the_reference(cuda_backend, gen, gemv, fmt, x_kind,
 
 
 @pytest.mark.parametrize("fmt,x_kind", [("dense", "bf16"), ("fp8_block", "bf16"), ("fp8_block", "fp8")])
-@pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 0, 0, 1], [0, 2, 0, 1, 3], [1]], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 0, 0, 1], [0, 2, 0, 1, 3], [1], [2, 0, 1, 1, 1]],
+                         ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("gated", [False, True])
 def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv, fmt, x_kind, sizes, gated):
     """Rows sorted by expert (empty groups, a group of several rows, one group) each times its expert's weight on
@@ -379,6 +380,10 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv
     assert _rel_err(out, ref) < 8e-3  # the output's rounding
     # sizes and the first weight slab read before the PDL wait (sizes settled): the same bits
     assert torch.equal(gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated, sizes_early=True), out)
+    # the trailing groups of one row each (a token's shared-expert slices) computed before the wait, without the
+    # sizes, their programs scheduled first: the same bits
+    tail = next(i for i in range(groups + 1) if i == groups or sizes[groups - 1 - i] != 1)
+    assert torch.equal(gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated, settled_tail=tail), out)
     if fmt == "fp8_block" and x_kind == "bf16":
         assert torch.equal(gemv.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
     if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
