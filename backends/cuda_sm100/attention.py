@@ -383,7 +383,8 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     bt = 256 if interp else 16
     K.mla_write_kernel[(cdiv(n, bt),)](
         c_kv, k_pe, plan.slot_mapping, n, c_kv.stride(0), k_pe.stride(0), *views,
-        **_dims(spec), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4, **launch_kwargs(),
+        **_dims(spec), BD=L.pow2(spec.kv_lora_rank), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4,
+        **launch_kwargs(),
     )
 
 
@@ -412,11 +413,9 @@ def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Te
     q_out, _, _, launch = NR.mla_rope_norm_launch(q_pe, kv, weight, eps, plan.positions, cos_sin_cache, interleaved)
     if launch is not None:
         grid, kwargs = launch
-        kwargs.pop("R")  # a constant of the fused kernel, from the spec (the same rank)
-        dims = _dims(spec)
-        dims["ROPE"] = dims.pop("P")  # P is the cos-sin cache's length there
         views = dict(zip(_VIEW_ARGS, _cache_views(spec, cache)))
-        K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **views, **dims, FP8=spec.is_fp8)
+        K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **views, CH=_dims(spec)["CH"],
+                                           FP8=spec.is_fp8)
     return q_out
 
 

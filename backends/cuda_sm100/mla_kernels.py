@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NRK
+from deepinfer.backends.cuda_sm100.gemm_kernels import _cast
 from deepinfer.backends.cuda_sm100.pdl import enter
 
 LOG2E = 1.4426950408889634  # host side: softmax_scale * LOG2E is the kernels' qk_scale (exp2 domain)
@@ -63,44 +64,53 @@ def mla_write_kernel(
     c_ptr, pe_ptr, slot_ptr, n_tokens, stride_c, stride_pe,
     lat_ptr, scl_ptr, rope_ptr,
     lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
-    R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr, BD: tl.constexpr,
     BT: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """BT tokens per program: token t's (c_kv, k_pe) -> cache slot slot_ptr[t] (FP8: quantised per 128)."""
+    """BT tokens per program: token t's (c_kv, k_pe) -> cache slot slot_ptr[t] (FP8: quantised per 128). BD: R's
+    next power of two."""
     enter(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    _write_rows(t, t < n_tokens, c_ptr, pe_ptr, slot_ptr, stride_c, stride_pe, lat_ptr, scl_ptr, rope_ptr,
-                lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS, R, P, CH, NC, PP, FP8, EXACT)
-
-
-@triton.jit
-def _write_rows(t, tmask, c_ptr, pe_ptr, slot_ptr, stride_c, stride_pe, lat_ptr, scl_ptr, rope_ptr,
-                lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
-                R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr,
-                FP8: tl.constexpr, EXACT: tl.constexpr):
-    """Tokens t (where tmask): c_kv row t of c_ptr and k_pe row t of pe_ptr -> cache slot slot_ptr[t]."""
-    slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
-    blk = slot // BS
-    off = slot % BS
+    tmask = t < n_tokens
+    blk, off = _slots(slot_ptr, t, tmask, BS)
     t64 = t.to(tl.int64)
-    lat_row = blk * lat_sb + off * lat_st
-    for c in tl.static_range(NC):
-        cols = c * CH + tl.arange(0, CH)
-        m = tmask[:, None] & (cols < R)[None, :]
-        x = tl.load(c_ptr + t64[:, None] * stride_c + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if FP8:
-            amax = tl.max(tl.abs(x), axis=1)
-            scale = tl.maximum(amax, 1e-12) / 448.0
-            q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-            tl.store(lat_ptr + lat_row[:, None] + cols[None, :], _to_e4m3_rne(q, EXACT), mask=m)
-            tl.store(scl_ptr + blk * scl_sb + off * scl_st + scale_off + c, scale, mask=tmask)
-        else:
-            tl.store(lat_ptr + lat_row[:, None] + cols[None, :], _to_bf16_rne(x, EXACT), mask=m)
+    cols = tl.arange(0, BD)
+    x = tl.load(c_ptr + t64[:, None] * stride_c + cols[None, :], mask=tmask[:, None] & (cols < R)[None, :], other=0.0)
+    _store_latent(x.to(tl.float32), tmask, blk, off, lat_ptr, scl_ptr, lat_sb, lat_st, scl_sb, scl_st, scale_off, R,
+                  CH, BD, FP8, EXACT)
     pc = tl.arange(0, PP)
     pm = tmask[:, None] & (pc < P)[None, :]
     pe = tl.load(pe_ptr + t64[:, None] * stride_pe + pc[None, :], mask=pm, other=0.0).to(tl.float32)
     rrow = blk * rope_sb + off * rope_st + rope_off
     tl.store(rope_ptr + rrow[:, None] + pc[None, :], _to_bf16_rne(pe, EXACT), mask=pm)
+
+
+@triton.jit
+def _slots(slot_ptr, t, tmask, BS):
+    """Tokens t's cache slots (the plan's slot mapping) as (block, offset in the block)."""
+    slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+    return slot // BS, slot % BS
+
+
+@triton.jit
+def _store_latent(x, tmask, blk, off, lat_ptr, scl_ptr, lat_sb, lat_st, scl_sb, scl_st, scale_off, R: tl.constexpr,
+                  CH: tl.constexpr, BD: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr):
+    """Latent rows x [BT, BD] float32 (zero past R) into their slots (blk, off): bf16, or E4M3 with a float32
+    scale per CH columns (their absolute maximum / 448; DeepSeek's layout)."""
+    NG: tl.constexpr = BD // CH
+    g = tl.arange(0, NG)
+    cols = (g * CH)[:, None] + tl.arange(0, CH)[None, :]  # [NG, CH]
+    m = tmask[:, None, None] & (cols < R)[None, :, :]
+    ptrs = lat_ptr + (blk * lat_sb + off * lat_st)[:, None, None] + cols[None, :, :]
+    x = tl.reshape(x, (x.shape[0], NG, CH))
+    if FP8:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-12) / 448.0
+        q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
+        tl.store(ptrs, _to_e4m3_rne(q, EXACT), mask=m)
+        srow = blk * scl_sb + off * scl_st + scale_off
+        tl.store(scl_ptr + srow[:, None] + g[None, :], scale, mask=tmask[:, None] & (g * CH < R)[None, :])
+    else:
+        tl.store(ptrs, _to_bf16_rne(x, EXACT), mask=m)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -110,21 +120,37 @@ def mla_rope_norm_write_kernel(
     slot_ptr, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-    R: tl.constexpr, ROPE: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr, FP8: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr = False,
+    R: tl.constexpr, CH: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """mla_rope_norm_kernel's block of tokens (cache_ptr / P: the cos-sin cache and its length), then the same
-    tokens' cache write (mla_write_kernel's) from the rows this program just stored: the fused cache write with
-    the rope applied, one launch instead of two."""
-    enter(PDL)
+    """mla_rope_norm_kernel's work for a block of tokens (cache_ptr / P: the cos-sin cache and its length), the
+    c_kv and k_pe rows going straight from registers into the cache as mla_write_kernel writes them: the fused
+    cache write with the rope applied, one launch instead of two (ckv_ptr / ko_ptr are not written; their
+    dtype is the rows' rounding before the cache's). Before the PDL wait it reads what no kernel of the step
+    writes: the norm's weight, the tokens' positions and cos / sin rows, and their cache slots (the plan's)."""
     t0 = tl.program_id(0) * BLOCK_T
-    NRK._mla_rope_norm_block(t0, q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, qo_ptr, ckv_ptr, ko_ptr, T, R, RF, P,
-                             stride_qt, stride_qh, stride_kv, stride_p, stride_c, eps, H, HALF, HALF_P, BLOCK_T,
-                             BLOCK_D, BLOCK_Q, INTERLEAVED, EXACT)
-    tl.debug_barrier()  # the block's c_kv / k_pe rows, stored by all of its threads, are read back below
-    t = t0 + tl.arange(0, BLOCK_T)
-    _write_rows(t, t < T, ckv_ptr, ko_ptr, slot_ptr, R, 2 * HALF, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st,
-                scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS, R, ROPE, CH, NC, PP, FP8, EXACT)
+    toks = t0 + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    cols = tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + cols, mask=cols < R, other=0.0).to(tl.float32)
+    cos, sin = NRK._rope_angles(pos_ptr, cache_ptr, toks, tmask, P, stride_p, stride_c, HALF, HALF_P)
+    blk, off = _slots(slot_ptr, toks, tmask, BS)
+    enter(PDL)
+    mask = tmask[:, None] & (cols < R)[None, :]
+    x = tl.load(kv_ptr + toks.to(tl.int64)[:, None] * stride_kv + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ia, ib, pmask, k_a, k_b = NRK._rope_apply(kpe_ptr, toks.to(tl.int64), 0, tmask, cos, sin, stride_kv, 0, HALF,
+                                              HALF_P, INTERLEAVED)
+    for r0 in range(0, BLOCK_T * H, BLOCK_Q):  # the block's q rows t * H + h, as _mla_rope_norm_block ropes them
+        rel = r0 + tl.arange(0, BLOCK_Q)
+        rows = t0 * H + rel
+        NRK._rope_rows(q_ptr, pos_ptr, cache_ptr, qo_ptr, rows, (rel < BLOCK_T * H) & (rows < T * H), H, P,
+                       stride_qt, stride_qh, stride_p, stride_c, HALF, HALF_P, INTERLEAVED, EXACT)
+    c_kv, _ = NRK._norm_rows(x, x, w, mask, ckv_ptr, ckv_ptr, toks, RF, 0, 0, eps, BLOCK_D, False, EXACT, False)
+    _store_latent(c_kv, tmask, blk, off, lat_ptr, scl_ptr, lat_sb, lat_st, scl_sb, scl_st, scale_off, R, CH, BLOCK_D,
+                  FP8, EXACT)
+    rope_row = rope_ptr + (blk * rope_sb + off * rope_st + rope_off)[:, None]
+    k_ty: tl.constexpr = ko_ptr.dtype.element_ty  # k_pe rounded to the rows' dtype, then to the cache's bf16
+    tl.store(rope_row + ia[None, :], _to_bf16_rne(_cast(k_a, k_ty, EXACT).to(tl.float32), EXACT), mask=pmask)
+    tl.store(rope_row + ib[None, :], _to_bf16_rne(_cast(k_b, k_ty, EXACT).to(tl.float32), EXACT), mask=pmask)
 
 
 # --- split-KV attention ---------------------------------------------------------------------------------

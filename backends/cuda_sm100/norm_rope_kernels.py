@@ -139,28 +139,43 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, q_ptr, qs_ptr, R, D, DF, 
 
 
 @triton.jit
-def _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, live, H, P, stride_xt, stride_xh, stride_p, stride_c,
-               HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
-    """Rows r = t * H + h (where `live`) of x [T, H, 2*HALF] (strided, unit last stride) -> o [T*H, 2*HALF]."""
-    tok = (rows // H).to(tl.int64)
-    head = (rows % H).to(tl.int64)
+def _rope_angles(pos_ptr, cache_ptr, tok, live, P, stride_p, stride_c, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """cos and sin [n, HALF_P] float32 of tokens tok's positions (NaN where a position is outside the cache)."""
     pos = tl.load(pos_ptr + tok * stride_p, mask=live, other=0).to(tl.int64)
     i = tl.arange(0, HALF_P)
-    cmask = i < HALF
-    cs_mask = (live & (pos >= 0) & (pos < P))[:, None] & cmask[None, :]
+    cs_mask = (live & (pos >= 0) & (pos < P))[:, None] & (i < HALF)[None, :]
     cs = cache_ptr + pos[:, None] * stride_c + i[None, :]
     cos = tl.load(cs, mask=cs_mask, other=float("nan")).to(tl.float32)
     sin = tl.load(cs + HALF, mask=cs_mask, other=float("nan")).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rope_apply(x_ptr, tok, head, live, cos, sin, stride_xt, stride_xh, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """Rows (tok, head) of x roped by their cos / sin: the pairs' columns ia, ib [HALF_P], the valid mask and the
+    rotated halves in float32, unrounded (a*cos - b*sin, b*cos + a*sin: without FMA contraction, the launch's
+    enable_fp_fusion=False, they are the reference's values)."""
+    i = tl.arange(0, HALF_P)
     if INTERLEAVED:
         ia, ib = 2 * i, 2 * i + 1
     else:
         ia, ib = i, i + HALF
-    mask = live[:, None] & cmask[None, :]
+    mask = live[:, None] & (i < HALF)[None, :]
     xrow = x_ptr + (tok * stride_xt + head * stride_xh)[:, None]
     a = tl.load(xrow + ia[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(xrow + ib[None, :], mask=mask, other=0.0).to(tl.float32)
-    out_a = a * cos - b * sin
-    out_b = b * cos + a * sin
+    return ia, ib, mask, a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
+def _rope_rows(x_ptr, pos_ptr, cache_ptr, o_ptr, rows, live, H, P, stride_xt, stride_xh, stride_p, stride_c,
+               HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+    """Rows r = t * H + h (where `live`) of x [T, H, 2*HALF] (strided, unit last stride) -> o [T*H, 2*HALF]."""
+    tok = (rows // H).to(tl.int64)
+    cos, sin = _rope_angles(pos_ptr, cache_ptr, tok, live, P, stride_p, stride_c, HALF, HALF_P)
+    ia, ib, mask, out_a, out_b = _rope_apply(x_ptr, tok, (rows % H).to(tl.int64), live, cos, sin, stride_xt, stride_xh,
+                                             HALF, HALF_P, INTERLEAVED)
     orow = o_ptr + (rows.to(tl.int64) * (2 * HALF))[:, None]
     tl.store(orow + ia[None, :], _cast(out_a, o_ptr.dtype.element_ty, EXACT), mask=mask)
     tl.store(orow + ib[None, :], _cast(out_b, o_ptr.dtype.element_ty, EXACT), mask=mask)
