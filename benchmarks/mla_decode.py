@@ -33,7 +33,11 @@ FLASHMLA_MS = {(64, 4096, 128): 0.124, (128, 4096, 16): 0.156, (16, 32768, 128):
 # split tokens or None for the plan's choice). The default is always measured first and reported as such.
 SWEEP = {  # 16 heads (2026-11-30, H200): one-warpgroup 16-row tiles, FP8 scales folded (1,1), became the defaults past
     # 4096 keys a step; the 8-warp tiles they replaced stay as candidates (and the defaults for one-tile items)
-    ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64), ("", 4096), ("64,64,8,2", None)],
+    ("bf16", 16): [("", None), ("16,64,8,2", None), ("16,32,4,2", None), ("", 64), ("", 4096), ("64,64,8,2", None),
+                   # 128-key tiles (170 KiB of shared memory, 154 registers at 8 warps in the sm_90 compile): twice
+                   # the key bytes a program has in flight, for one token over many keys (2026-12-01: 16k keys
+                   # streamed at 0.20 of HBM with 64-key tiles); and the split sizes around the rule's
+                   ("16,128,8,2", None), ("16,128,8,2", 256), ("", 128), ("", 256)],
     # 128 heads: split sizes around the split rule's one wave of 64-row programs (2026-11-30 sweep, RESULTS.md)
     ("bf16", 128): [("", None), ("", 256), ("", 512), ("", 1024), ("", 2048), ("", 4096), ("", 8192)],
     ("fp8_e4m3", 16): [("", None), ("16,64,8,2,0,0", None), ("16,16,4,2,0,0", None), ("16,32,4,2,0,0", None),
