@@ -381,10 +381,11 @@ def write_cache(plan: AttentionPlan, cache: torch.Tensor, c_kv: torch.Tensor, k_
     views = _cache_views(spec, cache)
     interp = cache.device.type == "cpu"
     bt = 256 if interp else 16
+    dims = _dims(spec)  # the whole latent row at once (BD wide), not NC chunks as the attention kernels take it
     K.mla_write_kernel[(cdiv(n, bt),)](
-        c_kv, k_pe, plan.slot_mapping, n, c_kv.stride(0), k_pe.stride(0), *views,
-        **_dims(spec), BD=L.pow2(spec.kv_lora_rank), BT=bt, FP8=spec.is_fp8, EXACT=interp, num_warps=4,
-        **launch_kwargs(),
+        c_kv, k_pe, plan.slot_mapping, n, c_kv.stride(0), k_pe.stride(0), *views, R=dims["R"], P=dims["P"],
+        CH=dims["CH"], PP=dims["PP"], BD=L.pow2(spec.kv_lora_rank), BT=bt, FP8=spec.is_fp8, EXACT=interp,
+        num_warps=4, **launch_kwargs(),
     )
 
 

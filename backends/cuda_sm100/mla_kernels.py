@@ -64,7 +64,7 @@ def mla_write_kernel(
     c_ptr, pe_ptr, slot_ptr, n_tokens, stride_c, stride_pe,
     lat_ptr, scl_ptr, rope_ptr,
     lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
-    R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, NC: tl.constexpr, PP: tl.constexpr, BD: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, PP: tl.constexpr, BD: tl.constexpr,
     BT: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """BT tokens per program: token t's (c_kv, k_pe) -> cache slot slot_ptr[t] (FP8: quantised per 128). BD: R's
@@ -139,11 +139,8 @@ def mla_rope_norm_write_kernel(
     x = tl.load(kv_ptr + toks.to(tl.int64)[:, None] * stride_kv + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     ia, ib, pmask, k_a, k_b = NRK._rope_apply(kpe_ptr, toks.to(tl.int64), 0, tmask, cos, sin, stride_kv, 0, HALF,
                                               HALF_P, INTERLEAVED)
-    for r0 in range(0, BLOCK_T * H, BLOCK_Q):  # the block's q rows t * H + h, as _mla_rope_norm_block ropes them
-        rel = r0 + tl.arange(0, BLOCK_Q)
-        rows = t0 * H + rel
-        NRK._rope_rows(q_ptr, pos_ptr, cache_ptr, qo_ptr, rows, (rel < BLOCK_T * H) & (rows < T * H), H, P,
-                       stride_qt, stride_qh, stride_p, stride_c, HALF, HALF_P, INTERLEAVED, EXACT)
+    NRK._rope_block_queries(t0, q_ptr, pos_ptr, cache_ptr, qo_ptr, T, P, stride_qt, stride_qh, stride_p, stride_c, H,
+                            HALF, HALF_P, BLOCK_T, BLOCK_Q, INTERLEAVED, EXACT)
     c_kv, _ = NRK._norm_rows(x, x, w, mask, ckv_ptr, ckv_ptr, toks, RF, 0, 0, eps, BLOCK_D, False, EXACT, False)
     _store_latent(c_kv, tmask, blk, off, lat_ptr, scl_ptr, lat_sb, lat_st, scl_sb, scl_st, scale_off, R, CH, BLOCK_D,
                   FP8, EXACT)

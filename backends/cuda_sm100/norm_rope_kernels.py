@@ -218,7 +218,16 @@ def _mla_rope_norm_block(t0, q_ptr, kv_ptr, kpe_ptr, w_ptr, pos_ptr, cache_ptr, 
                    BLOCK_D, False, EXACT)
     _rope_rows(kpe_ptr, pos_ptr, cache_ptr, ko_ptr, toks, toks < T, 1, P, stride_kv, 0, stride_p, stride_c,
                HALF, HALF_P, INTERLEAVED, EXACT)
-    # the same trip count in every program: the last block masks its missing tokens
+    _rope_block_queries(t0, q_ptr, pos_ptr, cache_ptr, qo_ptr, T, P, stride_qt, stride_qh, stride_p, stride_c, H, HALF,
+                        HALF_P, BLOCK_T, BLOCK_Q, INTERLEAVED, EXACT)
+
+
+@triton.jit
+def _rope_block_queries(t0, q_ptr, pos_ptr, cache_ptr, qo_ptr, T, P, stride_qt, stride_qh, stride_p, stride_c,
+                        H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr, EXACT: tl.constexpr):
+    """The q rows t * H + h of tokens [t0, t0 + BLOCK_T) roped into qo, BLOCK_Q at a time (the same trip count in
+    every program: the last block masks its missing tokens)."""
     for r0 in range(0, BLOCK_T * H, BLOCK_Q):
         rel = r0 + tl.arange(0, BLOCK_Q)
         rows = t0 * H + rel
