@@ -17,6 +17,9 @@ from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 from deepinfer.quant import cdiv, next_pow2
 from deepinfer.weights import LinearWeight, WeightFormat
 
+# (rows a program, K step, warps) of an E4M3 gate/up's grouped GEMV: the best of gemm_decode.py --sweep (H200,
+# V2-Lite batch 1: 18.4 us, the GEMM tile 18.0 plus its quantiser launch; the default 8 x 2048 took 23.3).
+FP8_GATED_TILES = (16, 512, 4)
 # Rows sorted by expert that the grouped GEMV takes (one decode token's routed and shared experts: V2-Lite 8, V3 9),
 # each row reading its expert's weight; more rows share experts, and the GEMM tile reads a weight once for them.
 GEMV_GROUPED_MAX_ROWS = 16
@@ -53,11 +56,15 @@ def gemv_grouped_fits(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tens
             and _operands_ok(x, x_fp8, weight))
 
 
-def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None = None) -> bool:
-    """Whether grouped_linear / gate_up_silu route rows x to gemv_grouped(): gemv_grouped_fits, 16-bit weights
-    only. E4M3 experts stay on the GEMM tile, which the GEMV lost to (H200, V2-Lite batch 1, gemm_decode.py
-    --sweep: down 13.4 us at the GEMV's best tile against 11.7; FP8 decode with its experts on the GEMV too: 417
-    tok/s against 491)."""
+def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Tensor | None = None,
+                        gated: bool = False) -> bool:
+    """Whether grouped_linear / gate_up_silu route rows x to gemv_grouped(): gemv_grouped_fits, with 16-bit
+    weights; E4M3 ones only for a gated gate/up of 16-bit rows (quantised in the kernel: no quantiser launch,
+    and x is then the norm's output, which lets a token's shared-expert rows run before the wait), on
+    FP8_GATED_TILES. Other E4M3 experts stay on the GEMM tile, which the GEMV lost to (H200, V2-Lite batch 1,
+    gemm_decode.py --sweep: down 13.4 us at the GEMV's best tile against 11.7)."""
+    if weight.format is WeightFormat.FP8_BLOCK:
+        return gated and x.dtype in (torch.bfloat16, torch.float16) and gemv_grouped_fits(x, weight, x_scale)
     return weight.format is WeightFormat.DENSE and gemv_grouped_fits(x, weight, x_scale)
 
 

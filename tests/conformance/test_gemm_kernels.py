@@ -384,11 +384,17 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv
     # sizes, their programs scheduled first: the same bits
     tail = next(i for i in range(groups + 1) if i == groups or sizes[groups - 1 - i] != 1)
     assert torch.equal(gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated, settled_tail=tail), out)
+    if fmt == "fp8_block" and gated:  # the tiles an E4M3 gate/up takes (other K steps: other float32 sums)
+        bn, bk, warps = gemv.FP8_GATED_TILES
+        tiled = gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=True, bn=bn, bk=bk, warps=warps)
+        assert _rel_err(tiled, ref) < 8e-3
     if fmt == "fp8_block" and x_kind == "bf16":
         assert torch.equal(gemv.gemv_grouped(q.to(dev), w.to(dev), sizes_dev, s.to(dev), gated=gated), out)
-    if dev.type == "cuda":  # the backend takes 16-bit experts' rows on the grouped GEMV, E4M3 ones on the tile
+    if dev.type == "cuda":  # 16-bit experts take the grouped GEMV; E4M3 ones the tile, but for a gate/up of 16-bit rows
         assert gemv.gemv_grouped_fits(x_in, w.to(dev), x_scale)
         assert gemv.gemv_grouped_usable(x_in, w.to(dev), x_scale) == (fmt == "dense")
+        # an E4M3 gate/up of 16-bit rows takes the GEMV (its rows quantised in the kernel)
+        assert gemv.gemv_grouped_usable(x_in, w.to(dev), x_scale, gated=True) == (fmt == "dense" or x_kind == "bf16")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
