@@ -479,6 +479,9 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         if cfg["BM"] == 64 and gluon:
             L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail)
             continue
+        if cfg["BM"] == 16 and gluon and L.keys_as_m_usable(spec, rows, dev):
+            L.launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail)
+            continue
         L.launch_triton(K.mla_attn_kernel, grid, (*common, items, *tail, row_tiles),
                 dict(**dims, FP8=spec.is_fp8, INTERP=interp, MAX_SPAN=span if interp else 0,
                      DOT_T=K.DOT_INTERP if interp else K.DOT_GPU, F32=f32), cfg, aligned, fold_ok,

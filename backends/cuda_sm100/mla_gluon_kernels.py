@@ -127,21 +127,46 @@ def _lse(m, l):
 
 
 @gluon.jit
-def _store_rows(o, co, out_args, row0, H, tok0, qlen, slot, O_L: gl.constexpr, R: gl.constexpr):
+def _store_rows(o, co, out_args, row0, H, tok0, qlen, slot, O_L: gl.constexpr, R: gl.constexpr,
+                T: gl.constexpr = False):
     """Store normalised output rows (tile rows row0 + i: query j = row // H, head h = row % H; columns co) to the
     direct output (bf16, token tok0 + j) when slot == -1, else to the float32 partial rows (slot + j) * H + h.
-    Rows past qlen, and every row when slot < -1 (no output), are skipped."""
+    Rows past qlen, and every row when slot < -1 (no output), are skipped. T: o is transposed ([columns, rows],
+    as the keys-as-M kernel accumulates it)."""
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr = out_args
-    ro = row0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, O_L))
+    if T:
+        ro = row0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, O_L))
+    else:
+        ro = row0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, O_L))
     jo = ro // H
     ho = ro % H
     keep = (jo < qlen) & (slot >= -1)
     if slot == -1:
         tok = (tok0 + jo).to(gl.int64)
-        gl.store(out_ptr + (tok * o_st + ho * o_sh)[:, None] + co[None, :], o.to(gl.bfloat16), mask=keep[:, None])
+        gl.store(out_ptr + _outer(tok * o_st + ho * o_sh, co, T), o.to(gl.bfloat16), mask=_outer_mask(keep, T))
     else:
         prow = (slot + jo).to(gl.int64) * H + ho
-        gl.store(po_ptr + (prow * R)[:, None] + co[None, :], o, mask=(keep & (slot >= 0))[:, None])
+        gl.store(po_ptr + _outer(prow * R, co, T), o, mask=_outer_mask(keep & (slot >= 0), T))
+
+
+@gluon.jit
+def _outer(row_off, co, T: gl.constexpr):
+    """Element offsets of rows x columns: [rows, columns], or [columns, rows] when T."""
+    if T:
+        off = row_off[None, :] + co[:, None]
+    else:
+        off = row_off[:, None] + co[None, :]
+    return off
+
+
+@gluon.jit
+def _outer_mask(keep, T: gl.constexpr):
+    """The row mask keep laid out as _outer lays out its offsets (the store broadcasts it over the columns)."""
+    if T:
+        mask = keep[None, :]
+    else:
+        mask = keep[:, None]
+    return mask
 
 
 @gluon.jit

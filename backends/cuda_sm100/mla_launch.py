@@ -156,6 +156,15 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
     return hb, dc, st
 
 
+# Caches whose tiles of at most 16 rows take the keys-as-M kernel by default. H200 (2026-12-01), 16 heads,
+# mla_decode.py: FP8 takes 12-17% less time than the Triton tile (128 x 4096 keys 0.2433 vs 0.2815 ms,
+# 32 x 65536 0.8896 vs 1.0494, 1 x 16384 0.0214 vs 0.0258); e2e V2-Lite FP8 decode, batch 32 at 1k +6.0%,
+# batch 1 at 1k +0.4%, at 16k -0.9%. bf16: within 2% either way at batch (128 x 4096 0.1644 vs 0.1652,
+# 64 x 4096 0.0970 vs 0.0956), 8% faster at 1 x 16384, but e2e batch 1 at 16k 1.8% slower: it stays on the
+# Triton tile.
+KT_CACHES = ("fp8_e4m3",)
+
+
 def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether 64-row tiles may run on mla_gluon_kernels (Hopper wgmma; bf16 queries, bf16 or FP8 cache at
     DeepSeek's dims). DEEPINFER_MLA_GLUON=0 keeps them on mla_attn_kernel (A/B benchmarks)."""
@@ -181,6 +190,27 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> Non
     G = gluon_gate.kernels("mla_gluon_kernels")
     G.mla_attn_gluon_kernel[grid](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
                                   **launch_kwargs())
+
+
+def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool:
+    """Whether tiles of `rows` (<= 16) query rows run on mla_gluon_kt_kernels (keys as the wgmma's M) rather than
+    mla_attn_kernel's 16-row tile, where gluon_tile_usable holds and tiles are block-aligned.
+    DEEPINFER_MLA_KT: "0" never, "1" for both caches (A/B runs); by default the caches in KT_CACHES."""
+    env = os.environ.get("DEEPINFER_MLA_KT")
+    wanted = env == "1" if env in ("0", "1") else spec.dtype in KT_CACHES
+    return rows <= 16 and wanted and gluon_gate.runs_on(device, "mla_gluon_kt_kernels")
+
+
+def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
+    """Run tiles of at most 16 rows on the keys-as-M Gluon kernel (the caller checked keys_as_m_usable)."""
+    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
+    G = gluon_gate.kernels("mla_gluon_kt_kernels")
+    args = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
+            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, 1)
+    G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8,
+                                                  num_warps=G.NUM_WARPS,
+                                                  **launch_kwargs())
 
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:

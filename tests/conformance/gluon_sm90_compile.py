@@ -38,6 +38,14 @@ def mla(fp8: bool):
     return compile_sm90(G.mla_attn_gluon_kernel, mla_args(fp8), consts, G.NUM_WARPS)
 
 
+def mla_keys_as_m(fp8: bool):
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
+
+    args = {**mla_args(fp8), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
+    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, FP8=fp8, PDL=True)
+    return compile_sm90(K.mla_attn_gluon_kt_kernel, args, consts, K.NUM_WARPS)
+
+
 def mla_seesaw():
     from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
 
@@ -68,6 +76,9 @@ def report(compiled) -> dict:
 
 def main() -> None:
     out = {f"mla-{fp8}": report(mla(fp8)) for fp8 in (False, True)}
+    for fp8 in (False, True):
+        kt = mla_keys_as_m(fp8)
+        out[f"mla-kt-{fp8}"] = {**report(kt), **resource_usage(kt)}
     seesaw = mla_seesaw()
     out["mla-seesaw"] = {**report(seesaw), **resource_usage(seesaw)}
     for consumers in (2, 3):

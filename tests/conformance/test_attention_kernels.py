@@ -160,6 +160,43 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     torch.testing.assert_close(lse, t_lse, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,query_lens",
+                         [(16, (1, 1, 1, 1, 1, 1)), (8, (1, 2, 1, 2, 2, 1)), (4, (1, 3, 4, 1, 2, 1))])
+@pytest.mark.parametrize("split", [None, 64, 128])
+def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, heads, query_lens, split):
+    """Tiles of at most 16 rows on the keys-as-M Gluon kernel (16 heads; 8 heads x 1-2 queries; 4 heads x 1-4
+    queries, tiles part padding), against the reference and against mla_attn_kernel's 16-row tile on the same
+    inputs: ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    monkeypatch.setenv("DEEPINFER_MLA_KT", "1")
+    spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
+    if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    seq_lens = (1, 70, 700, 2000, 4100, 9000)
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
+    ran = []
+    real = A.launch_gluon_kt
+    monkeypatch.setattr(A, "launch_gluon_kt", lambda *a: ran.append(True) or real(*a))
+    batch = AttentionBatch(query_lens, seq_lens, tables)
+    _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
+    assert any(ran)
+    monkeypatch.setenv("DEEPINFER_MLA_KT", "0")
+    ran.clear()
+    plan = kern.plan_attention(batch, spec, split_tokens=split)
+    t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
+    assert not ran
+    assert_close_rel(out, t_out, tol=1e-2)
+    # The Triton tile folds FP8 scales into float32 scores; this kernel rounds the dequantised tile to bf16.
+    tol = 1e-2 if spec.is_fp8 else 1e-3
+    torch.testing.assert_close(lse, t_lse, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("heads", [0, 16, 128])
 @pytest.mark.parametrize("seq_lens", [(4096,) * 64, (32768,) * 16, (65536,), (1024,) * 32, (100, 7000, 300)])
 def test_split_rule_gives_about_one_wave_of_programs(monkeypatch, heads, seq_lens):

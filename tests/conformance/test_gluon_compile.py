@@ -42,6 +42,21 @@ def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(compiled, f
     assert "griddepcontrol.wait" in case["ptx"]  # PDL: nothing is read before the previous kernel is done
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_keys_as_m_mla_kernel_compiles_for_sm90_without_spills(compiled, fp8):
+    """Keys as the wgmma's M, 16 query rows as its N: 64 x 16 MMAs only (the score MMAs over 512 + 64 channels in
+    steps of 16, the output MMA's 512 columns in 8 blocks over 64 keys), cp.async copies, no stack; the shared
+    memory (the same for both caches) is what runs_on checks."""
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
+
+    case = compiled[f"mla-kt-{fp8}"]
+    assert case["stack"] == 0 and case["shared"] == K.SMEM_BYTES
+    ptx = case["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == (512 + 64) // 16 + 8 * 64 // 16
+    assert ptx.count("wgmma.mma_async") == ptx.count("m64n16k16")
+    assert "cp.async.cg.shared.global" in ptx and "griddepcontrol.wait" in ptx
+
+
 def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled):
     """Both warpgroups' loops keep their wgmma descriptors in registers (a hoisted set spills: 576 B of stack)
     and hand P to each other through stmatrix; PDL as the lockstep kernel."""
