@@ -1,5 +1,6 @@
 """Which kernel and tile shape each cuda_sm100 MLA launch takes: the Triton kernel's configuration table, the
-Gluon kernel for 64-row tiles where it runs, and the combine's program shape. attention.run_attention asks;
+Gluon kernels for 64-row tiles and (keys as the MMA's M) for tiles of at most 16 rows where they run, and the
+combine's program shape. attention.run_attention asks;
 plain Python (the tables are tested on CPU), kernels imported at launch.
 """
 
@@ -158,10 +159,10 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
 
 # Caches whose tiles of at most 16 rows take the keys-as-M kernel by default. H200 (2026-12-01), 16 heads,
 # mla_decode.py: FP8 takes 12-17% less time than the Triton tile (128 x 4096 keys 0.2433 vs 0.2815 ms,
-# 32 x 65536 0.8896 vs 1.0494, 1 x 16384 0.0214 vs 0.0258); e2e V2-Lite FP8 decode, batch 32 at 1k +6.0%,
-# batch 1 at 1k +0.4%, at 16k -0.9%. bf16: within 2% either way at batch (128 x 4096 0.1644 vs 0.1652,
-# 64 x 4096 0.0970 vs 0.0956), 8% faster at 1 x 16384, but e2e batch 1 at 16k 1.8% slower: it stays on the
-# Triton tile.
+# 32 x 65536 0.8896 vs 1.0494, 1 x 16384 0.0214 vs 0.0258); e2e V2-Lite, FP8 weights and cache: batch 32 at 1k
+# 4710 vs 4084 tok/s, batch 1 at 16k 508 vs 467. bf16 cache: within 2% either way in mla_decode.py (8% faster
+# at 1 x 16384); e2e with FP8 weights batch 32 at 1k +6.0%, batch 1 at 1k +0.4%, at 16k -0.9%: it stays on the
+# Triton tile until batch-1 long contexts stop losing (DEEPINFER_MLA_KT=1 takes it).
 KT_CACHES = ("fp8_e4m3",)
 
 
@@ -180,8 +181,7 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> Non
     gluon_tile_usable and block-aligned tiles: it chose the tile height (attn_config's `gluon`) on them."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
-    args = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
-            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, row_tiles)
+    args = _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles)
     grid = (items.shape[0] * row_tiles,)
     if seesaw_usable(spec, q_nope.device):
         S = gluon_gate.kernels("mla_seesaw_kernels")
@@ -206,11 +206,15 @@ def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
-    args = (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
-            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, 1)
-    G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8,
-                                                  num_warps=G.NUM_WARPS,
+    G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R,
+                                                  P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
                                                   **launch_kwargs())
+
+
+def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:
+    """The Gluon MLA kernels' arguments (mla_attn_kernel's contract) up to their constexprs."""
+    return (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
+            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, row_tiles)
 
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
