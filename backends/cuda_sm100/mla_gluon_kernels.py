@@ -182,6 +182,31 @@ def _store_lse(lse, rs, out_args, H, tok0, qlen, slot):
 
 
 @gluon.jit
+def _key_buffers(q_smem, FP8: gl.constexpr, SLOTS: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                 P: gl.constexpr, LAT_S: gl.constexpr, PE_S: gl.constexpr):
+    """The key-tile ring (SLOTS x [BN, R] bf16, or E4M3 bytes), its rope keys (SLOTS x [BN, P]) and, for FP8, the
+    bf16 tile each E4M3 tile is dequantised into (q_smem stands in for it with a bf16 cache)."""
+    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, BN, P], PE_S)
+    if FP8:
+        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [SLOTS, BN, R],
+                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+        kb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, R], LAT_S)
+    else:
+        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [SLOTS, BN, R], LAT_S)
+        kb_smem = q_smem  # unused
+    return k_bufs, kpe_bufs, kb_smem
+
+
+@gluon.jit
+def _copy_queries(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen, slot,
+                  Q_L: gl.constexpr, PE_L: gl.constexpr, BM: gl.constexpr, R: gl.constexpr, P: gl.constexpr):
+    """cp.async the tile's latent and rope query rows into q_smem / qpe_smem as one commit group."""
+    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, row0, H, tok0, qlen, slot, 0, Q_L, BM, R)
+    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, 0, PE_L, BM, P)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: gl.constexpr):
     """E4M3 tile k8 [BN, R] times its per-token scales [BN, R / 128] -> bf16 tile kb, 128 columns at a time."""
     g_idx = gl.arange(0, R // 128, layout=gl.SliceLayout(0, SC_L))
@@ -190,6 +215,24 @@ def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: 
         x = k8.slice(g * 128, 128, dim=1).load(DQ_L).to(gl.float32)
         y = x * gl.convert_layout(sc, gl.SliceLayout(1, DQ_L))[:, None]
         kb.slice(g * 128, 128, dim=1).store(y.to(gl.bfloat16))
+
+
+@gluon.jit
+def _ready_tile(k_bufs, kb_smem, buf, scales, PENDING: gl.constexpr, FP8: gl.constexpr, DQ_L: gl.constexpr,
+                SC_L: gl.constexpr, R: gl.constexpr):
+    """Wait for ring slot buf's copies (PENDING later commit groups may stay in flight) and order them before the
+    wgmma's reads in every thread; an E4M3 tile is dequantised into kb_smem first. Returns the bf16 key tile."""
+    async_copy.wait_group(PENDING)
+    fence_async_shared()  # copies are generic-proxy writes: order them before the wgmma's async-proxy reads
+    gl.thread_barrier()  # ... in every thread
+    if FP8:
+        _dequantize_tile(k_bufs.index(buf), scales, kb_smem, DQ_L, SC_L, R)
+        fence_async_shared()
+        gl.thread_barrier()
+        k = kb_smem
+    else:
+        k = k_bufs.index(buf)
+    return k
 
 
 @gluon.jit
@@ -225,21 +268,12 @@ def mla_attn_gluon_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], LAT_S)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], PE_S)
-    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)
+    k_bufs, kpe_bufs, kb_smem = _key_buffers(q_smem, FP8, 2, BN, R, P, LAT_S, PE_S)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], P_S)
-    if FP8:
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BN, R],
-                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
-        kb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, R], LAT_S)
-    else:
-        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], LAT_S)
-        kb_smem = q_smem  # unused
 
     # Queries (one commit group), then key tiles 0 and 1.
-    row_args = (row0, H, tok0, qlen, slot)
-    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, *row_args, 0, Q_L, BM, R)
-    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
-    async_copy.commit_group()
+    _copy_queries(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, Q_L, PE_L,
+                  BM, R, P)
     tile_args = (lat_ptr, rope_ptr)
     addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
     scale_args = (kv_end, BS, scl_sb, scl_st, scale_off)
@@ -270,16 +304,8 @@ def mla_attn_gluon_kernel(
     for t in range(0, n_tiles):
         buf = t % 2
         start = kv_lo + t * BN
-        async_copy.wait_group(1)  # this tile's group (and the queries') have landed; the next may be in flight
-        fence_async_shared()  # copies are generic-proxy writes: order them before the wgmma's async-proxy reads
-        gl.thread_barrier()  # ... in every thread
-        if FP8:
-            _dequantize_tile(k_bufs.index(buf), sc_a, kb_smem, DQ_L, SC_L, R)
-            fence_async_shared()
-            gl.thread_barrier()
-            k = kb_smem
-        else:
-            k = k_bufs.index(buf)
+        # this tile's group (and the queries') have landed; the next may be in flight
+        k = _ready_tile(k_bufs, kb_smem, buf, sc_a, 1, FP8, DQ_L, SC_L, R)
         s = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qpe_smem, kpe_bufs.index(buf).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))

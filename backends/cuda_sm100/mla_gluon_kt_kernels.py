@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _block_of, _copy_query_rows, _copy_tile, _dequantize_tile, _gdc_enter, _load_scales, _lse, _store_lse,
+    _block_of, _copy_queries, _copy_tile, _gdc_enter, _key_buffers, _load_scales, _lse, _ready_tile, _store_lse,
     _store_rows, _work_item,
 )
 
@@ -97,21 +97,12 @@ def mla_attn_gluon_kt_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], Q_S)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], QPE_S)
-    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P], PE_S)
+    k_bufs, kpe_bufs, kb_smem = _key_buffers(q_smem, FP8, STAGES, BN, R, P, LAT_S, PE_S)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BM], P_S)
-    if FP8:
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, R],
-                                           gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
-        kb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, R], LAT_S)
-    else:
-        k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], LAT_S)
-        kb_smem = q_smem  # unused
 
     # Queries (one commit group), then key tiles 0 and 1 (the ring's two slots), one group each.
-    row_args = (row0, H, tok0, qlen, slot)
-    _copy_query_rows(q_smem, q_ptr, q_st, q_sh, *row_args, 0, Q_L, BM, R)
-    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
-    async_copy.commit_group()
+    _copy_queries(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, Q_L, PE_L,
+                  BM, R, P)
     tile_args = (lat_ptr, rope_ptr)
     addr_args = (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
     scale_args = (kv_end, BS, scl_sb, scl_st, scale_off)
@@ -132,16 +123,8 @@ def mla_attn_gluon_kt_kernel(
     for t in range(0, n_tiles):
         buf = t % STAGES
         start = kv_lo + t * BN
-        async_copy.wait_group(STAGES - 1)  # this tile's group (and the queries') landed; later ones may fly
-        fence_async_shared()  # copies are generic-proxy writes: order them before the wgmma's async-proxy reads
-        gl.thread_barrier()  # ... in every thread
-        if FP8:
-            _dequantize_tile(k_bufs.index(buf), sc0, kb_smem, DQ_L, SC_L, R)
-            fence_async_shared()
-            gl.thread_barrier()
-            k = kb_smem
-        else:
-            k = k_bufs.index(buf)
+        # this tile's group (and the queries') landed; later ones may still fly
+        k = _ready_tile(k_bufs, kb_smem, buf, sc0, STAGES - 1, FP8, DQ_L, SC_L, R)
         s = warpgroup_mma(k, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(kpe_bufs.index(buf), qpe_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))

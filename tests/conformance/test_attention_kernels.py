@@ -118,6 +118,33 @@ def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, head
     assert (plan.split_tokens <= 64) == (sum(seq_lens) <= TINY_STEP_KEYS)
 
 
+def gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, launcher, off_env, kv_dtype, heads, query_lens,
+                                       split, lse_tol):
+    """Decode a ragged batch (1 to 9000 keys: a tile's last keys past the sequence, causal queries, direct and
+    split items) with mla_launch's `launcher` counted, against the reference; then, with `off_env` set to "0", on
+    mla_attn_kernel (the launcher not called), against the Gluon kernel's outputs (lse within lse_tol)."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    seq_lens = (1, 70, 700, 2000, 4100, 9000)
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
+    ran = []
+    real = getattr(A, launcher)
+    monkeypatch.setattr(A, launcher, lambda *a: ran.append(True) or real(*a))
+    batch = AttentionBatch(query_lens, seq_lens, tables)
+    _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
+    assert any(ran)
+    monkeypatch.setenv(off_env, "0")
+    ran.clear()
+    plan = kern.plan_attention(batch, spec, split_tokens=split)
+    t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
+    assert not ran
+    assert_close_rel(out, t_out, tol=1e-2)
+    torch.testing.assert_close(lse, t_lse, rtol=lse_tol, atol=lse_tol)
+
+
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("kv_dtype,seesaw", [("bf16", True), ("bf16", False), ("fp8_e4m3", False)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
@@ -139,25 +166,11 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     assert A.seesaw_usable(spec, kern.device) == seesaw
     if heads == 16 and max(query_lens) < 2:
         pytest.skip("16 heads take 64-row tiles only with 2+ queries a sequence")
-    seq_lens = (1, 70, 700, 2000, 4100, 9000)
-    nb, tables = tables_for(seq_lens, 64, gen)
-    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
-    cache = filled_cache(kern, spec, gen)
-    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
-    ran = []
-    real = A.launch_gluon
-    monkeypatch.setattr(A, "launch_gluon", lambda *a: ran.append(True) or real(*a))
-    batch = AttentionBatch(query_lens, seq_lens, tables)
-    _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
-    assert any(ran)
-    monkeypatch.setenv("DEEPINFER_MLA_GLUON", "0")
-    plan = kern.plan_attention(batch, spec, split_tokens=split)
-    t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
-    assert_close_rel(out, t_out, tol=1e-2)
     # At most 32 rows the Triton kernel folds FP8 scales into the fp32 scores, where the Gluon kernels round the
     # dequantised tile to bf16: the two then differ by the reference comparison's FP8 allowance, not less.
     tol = 1e-2 if spec.is_fp8 and heads * max(query_lens) <= 32 else 1e-3
-    torch.testing.assert_close(lse, t_lse, rtol=tol, atol=tol)
+    gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, "launch_gluon", "DEEPINFER_MLA_GLUON", kv_dtype,
+                                       heads, query_lens, split, tol)
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
@@ -175,26 +188,9 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
-    seq_lens = (1, 70, 700, 2000, 4100, 9000)
-    nb, tables = tables_for(seq_lens, 64, gen)
-    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
-    cache = filled_cache(kern, spec, gen)
-    q, qp = queries(kern, sum(query_lens), heads, gen, scale=0.3)
-    ran = []
-    real = A.launch_gluon_kt
-    monkeypatch.setattr(A, "launch_gluon_kt", lambda *a: ran.append(True) or real(*a))
-    batch = AttentionBatch(query_lens, seq_lens, tables)
-    _, out, lse = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5, split_tokens=split)
-    assert any(ran)
-    monkeypatch.setenv("DEEPINFER_MLA_KT", "0")
-    ran.clear()
-    plan = kern.plan_attention(batch, spec, split_tokens=split)
-    t_out, t_lse = kern.run_attention(plan, cache, q, qp, RANK**-0.5, return_lse=True)
-    assert not ran
-    assert_close_rel(out, t_out, tol=1e-2)
     # The Triton tile folds FP8 scales into float32 scores; this kernel rounds the dequantised tile to bf16.
-    tol = 1e-2 if spec.is_fp8 else 1e-3
-    torch.testing.assert_close(lse, t_lse, rtol=tol, atol=tol)
+    gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, "launch_gluon_kt", "DEEPINFER_MLA_KT", kv_dtype,
+                                       heads, query_lens, split, 1e-2 if spec.is_fp8 else 1e-3)
 
 
 @pytest.mark.parametrize("heads", [0, 16, 128])
