@@ -92,12 +92,14 @@ class Dispatched:
     hidden [R, H]: one row per (token, chosen local expert) pair, sorted by local expert;
     group_sizes [num_local_experts] int64: rows per local expert (the grouped GEMM's contiguous layout);
     first_expert: global id of local expert 0. `state` is the backend's bookkeeping for `combine`.
+    hidden_is_input: hidden is a view of dispatch's x itself (no copy), so its rows were written when x was.
     """
 
     hidden: torch.Tensor
     group_sizes: torch.Tensor
     first_expert: int
     state: Any = field(repr=False, default=None)
+    hidden_is_input: bool = False
 
 
 class Backend(ABC):

@@ -32,8 +32,8 @@ from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
 
 from deepinfer.backends.cuda_sm100 import gemm_gluon, gemm_kernels as K, triton_interpreter_requested
-from deepinfer.backends.cuda_sm100.gemv import (FP8_GATED_TILES, gemv, gemv_grouped, gemv_grouped_usable,
-                                                gemv_per_head, gemv_per_head_usable, gemv_usable)
+from deepinfer.backends.cuda_sm100.gemv import (gemv, gemv_grouped, gemv_grouped_usable, gemv_per_head,
+                                                gemv_per_head_usable, gemv_usable)
 from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
 BLOCK = quant.FP8_BLOCK
@@ -506,9 +506,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearWeight, group_sizes: torch.Tens
     # One decode token's expert rows: the grouped GEMV. (A dense MLP's one row never comes here: the backend's
     # gated_linear sends it to the GEMV itself.)
     if not quantize and cfg is None and layout == 1 and gemv_grouped_usable(flat, gate_up, gated=True):
-        bn, bk, warps = FP8_GATED_TILES if gate_up.format is WeightFormat.FP8_BLOCK else (None, None, None)
-        return gemv_grouped(flat, gate_up, group_sizes, gated=True, bn=bn, bk=bk, warps=warps,
-                            settled_tail=settled_tail).reshape(*lead, inter)
+        return gemv_grouped(flat, gate_up, group_sizes, gated=True, settled_tail=settled_tail).reshape(*lead, inter)
     if quantize:
         out = torch.empty(m, inter, dtype=quant.FP8_DTYPE, device=x.device)
         out_scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=x.device)

@@ -63,9 +63,9 @@ def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Te
     and x is then the norm's output, which lets a token's shared-expert rows run before the wait), on
     FP8_GATED_TILES. Other E4M3 experts stay on the GEMM tile, which the GEMV lost to (H200, V2-Lite batch 1,
     gemm_decode.py --sweep: down 13.4 us at the GEMV's best tile against 11.7)."""
-    if weight.format is WeightFormat.FP8_BLOCK:
-        return gated and x.dtype in (torch.bfloat16, torch.float16) and gemv_grouped_fits(x, weight, x_scale)
-    return weight.format is WeightFormat.DENSE and gemv_grouped_fits(x, weight, x_scale)
+    e4m3_gate_up = gated and x.dtype in (torch.bfloat16, torch.float16)
+    takes = weight.format is WeightFormat.DENSE or (weight.format is WeightFormat.FP8_BLOCK and e4m3_gate_up)
+    return takes and gemv_grouped_fits(x, weight, x_scale)
 
 
 def default_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, warps: int | None) -> tuple[int, int, int]:
@@ -129,7 +129,8 @@ def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tenso
                  settled_tail: int = 0) -> torch.Tensor:
     """Rows x [M, K] sorted by group (group_sizes [G] on the device) times their groups' weights [G, N_w, K], each
     row its own pass over its group's weight: for gemv_grouped_usable() calls. gated: the weight is [gate; up]
-    and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it. x may be E4M3 with x_scale.
+    and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it (E4M3 weights: on FP8_GATED_TILES
+    unless the tiles are given). x may be E4M3 with x_scale.
     sizes_early (Backend.grouped_linear's sizes_settled): under PDL each program reads the sizes (from L2) and
     loads its first weight slab before waiting for the previous kernel. H200, V2-Lite bf16 batch 1 (down
     projection): e2e 466.5 / 466.6 -> 471.9 / 470.3 tok/s. settled_tail (Backend.gated_linear's): under PDL the
@@ -139,8 +140,10 @@ def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tenso
     m, k = x.shape
     n = weight.out_features // 2 if gated else weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (torch.bfloat16 if x_fp8 else x.dtype), device=x.device)
-    _launch(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated,
-            default_tiles(weight, k, bn, bk, warps), sizes_early, min(settled_tail, m, weight.data.shape[0]))
+    e4m3_gate_up = gated and weight.format is WeightFormat.FP8_BLOCK and bn is None and bk is None and warps is None
+    tiles = default_tiles(weight, k, *(FP8_GATED_TILES if e4m3_gate_up else (bn, bk, warps)))
+    _launch(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated, tiles, sizes_early,
+            min(settled_tail, m, weight.data.shape[0]))
     return out
 
 

@@ -48,8 +48,9 @@ def dispatch(ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         check_layout(layout, num_experts, topk_ids)
         if t == 1:
             state = LocalState(layout.row_of_pair, topk_weights.contiguous(), x.dtype)
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            return Pending.ready(Dispatched(x.expand(top_k, x.shape[1]), layout.group_sizes, 0, state))
+            rows = x if x.stride(-1) == 1 else x.contiguous()
+            return Pending.ready(Dispatched(rows.expand(top_k, x.shape[1]), layout.group_sizes, 0, state,
+                                            hidden_is_input=rows is x))
     if t * top_k <= small_max_pairs and num_experts <= _SMALL_MAX_EXPERTS:
         rows, sizes, row_of_pair = _dispatch_small(x, topk_ids, num_experts)
     else:

@@ -120,10 +120,10 @@ class MoE:
         elif self.folded_shared and not fold:
             shared = self._shared_apart(x)
         dispatched = pending.wait()
-        # One token laid out by the router, every shared slice folded: the shared slices are the last groups, a row
-        # each. Where the dispatch handed x itself on (no copy), its rows were written before the router's launch.
-        one_token_rows_of_x = x.shape[0] == 1 and dispatched.hidden.data_ptr() == x.data_ptr()
-        tail = fold if layout is not None and one_token_rows_of_x else 0
+        # Laid out by the router, every shared slice folded: the shared slices are the last groups, a row each.
+        # Where the dispatch handed x itself on (one token, no copy), its rows were written before the router's
+        # launch.
+        tail = fold if layout is not None and dispatched.hidden_is_input else 0
         expert_out = self.experts.forward(dispatched.hidden, dispatched.group_sizes, settled_tail=tail)
         # The shared output joins the routed sum.
         return be.combine(dispatched, expert_out, add=shared, defer=defer_combine).wait()

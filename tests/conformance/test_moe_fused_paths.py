@@ -179,6 +179,7 @@ def test_route_sorted_lays_out_as_the_dispatch_sorts(backend, gen, spec, shared,
     laid = backend.dispatch(x, ids, weights, e, validate=False, layout=layout).wait()
     assert torch.equal(laid.group_sizes.cpu(), plain.group_sizes.cpu())
     assert torch.equal(laid.hidden.cpu(), plain.hidden.cpu())  # one token: every row is it, in any order
+    assert laid.hidden_is_input and not plain.hidden_is_input  # its rows are x's own (MoE's settled_tail)
     y = torch.randn(plain.hidden.shape[0], 200, generator=gen).to(dev)
     assert torch.equal(backend.combine(laid, y).wait().cpu(), backend.combine(plain, y).wait().cpu())
 
