@@ -40,6 +40,19 @@ NUM_WARPS = 8  # two warpgroups
 SMEM_BYTES = 229888  # shared memory a program takes (sm_90 compile): queries, two key tiles, P, scratch
 
 
+@gluon.constexpr_function
+def copy_layout(kind, warps, fp8=False):
+    """A distributed layout of a program's copies and dequantisation, `warps` warps stacked along the rows: "q"
+    query rows (16-byte vectors along a row), "lat" key tiles (bf16 as the queries, E4M3 bytes 16 a thread),
+    "pe" rope rows, "dq" the E4M3 tile's dequantisation, "sc" its scales (rows as "dq"'s, a row's 4 a thread)."""
+    if kind == "lat" and fp8:
+        return gl.BlockedLayout([1, 16], [2, 16], [warps, 1], [1, 0])
+    shapes = {"q": ([1, 8], [1, 32]), "lat": ([1, 8], [1, 32]), "pe": ([1, 8], [4, 8]), "dq": ([1, 16], [8, 4]),
+              "sc": ([1, R // 128], [8, 4])}
+    size, threads = shapes[kind]
+    return gl.BlockedLayout(size, threads, [warps, 1], [1, 0])
+
+
 @gluon.jit
 def _gdc_enter(PDL: gl.constexpr):
     """As pdl.enter: wait for the previous grid, then let the next one launch."""
@@ -248,13 +261,13 @@ def mla_attn_gluon_kernel(
     """One program = one work item x one tile of BM query rows, as mla_attn_kernel (see its docstring; the
     cache views and strides are the same). FP8: the E4M3 tile is copied as bytes and dequantised into one bf16
     tile in shared memory, which both MMAs read."""
-    # Distributed layouts: copies (16-byte vectors along a row), scores (warpgroups split the keys),
-    # output (warpgroups split the 512 columns), FP8 dequantisation and scale copies.
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    LAT_L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0]) if FP8 else Q_L
-    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
-    SC_L: gl.constexpr = gl.BlockedLayout([1, R // 128], [8, 4], [8, 1], [1, 0])  # rows as DQ_L's, 4 scales a thread
+    # Distributed layouts: copies and dequantisation (copy_layout), scores (warpgroups split the keys),
+    # output (warpgroups split the 512 columns).
+    Q_L: gl.constexpr = copy_layout("q", 8)
+    LAT_L: gl.constexpr = copy_layout("lat", 8, FP8)
+    PE_L: gl.constexpr = copy_layout("pe", 8)
+    DQ_L: gl.constexpr = copy_layout("dq", 8)
+    SC_L: gl.constexpr = copy_layout("sc", 8)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)

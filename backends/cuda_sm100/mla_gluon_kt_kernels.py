@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
     _block_of, _copy_queries, _copy_tile, _gdc_enter, _key_buffers, _load_scales, _lse, _ready_tile, _store_lse,
-    _store_rows, _work_item,
+    _store_rows, _work_item, copy_layout,
 )
 
 R = 512  # latent width (DeepSeek's kv_lora_rank)
@@ -72,12 +72,13 @@ def mla_attn_gluon_kt_kernel(
 ):
     """One program = one work item x one tile of BM (<= 16) query rows, as mla_attn_kernel (see its docstring;
     the cache views and strides are the same), one warpgroup."""
-    # Copies: 16-byte vectors along a row. S_L: S^T [keys, rows] and O^T [columns, rows], 16 rows of M a warp.
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    LAT_L: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0]) if FP8 else Q_L
-    PE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    SC_L: gl.constexpr = gl.BlockedLayout([1, R // 128], [8, 4], [4, 1], [1, 0])  # rows as DQ_L's
+    # Copies and dequantisation as mla_gluon_kernels' (one warpgroup). S_L: S^T [keys, rows] and O^T [columns,
+    # rows], 16 rows of M a warp.
+    Q_L: gl.constexpr = copy_layout("q", 4)
+    LAT_L: gl.constexpr = copy_layout("lat", 4, FP8)
+    PE_L: gl.constexpr = copy_layout("pe", 4)
+    DQ_L: gl.constexpr = copy_layout("dq", 4)
+    SC_L: gl.constexpr = copy_layout("sc", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16)
