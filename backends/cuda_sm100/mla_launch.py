@@ -158,11 +158,11 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
 
 
 # Caches whose tiles of at most 16 rows take the keys-as-M kernel by default. H200 (2026-12-01), 16 heads,
-# mla_decode.py: FP8 takes 12-17% less time than the Triton tile (128 x 4096 keys 0.2433 vs 0.2815 ms,
-# 32 x 65536 0.8896 vs 1.0494, 1 x 16384 0.0214 vs 0.0258); e2e V2-Lite, FP8 weights and cache: batch 32 at 1k
-# 4710 vs 4084 tok/s, batch 1 at 16k 508 vs 467. bf16 cache: within 2% either way in mla_decode.py (8% faster
-# at 1 x 16384); e2e with FP8 weights batch 32 at 1k +6.0%, batch 1 at 1k +0.4%, at 16k -0.9%: it stays on the
-# Triton tile until batch-1 long contexts stop losing (DEEPINFER_MLA_KT=1 takes it).
+# mla_decode.py, FP8 (mla_attn_gluon_kt_e4m3_kernel, float16 widening) against the Triton tile: 128 x 4096 keys
+# 0.20 vs 0.28 ms, 32 x 65536 0.73 vs 1.05; e2e V2-Lite, FP8 weights and cache, batch 32 at 1k 4779 tok/s
+# (4084 on the Triton tile). bf16 cache: within 2% either way in mla_decode.py (8% faster at 1 x 16384); e2e with
+# FP8 weights batch 32 at 1k +6.0%, batch 1 at 1k +0.4%, at 16k -0.9%: it stays on the Triton tile until batch-1
+# long contexts stop losing (DEEPINFER_MLA_KT=1 takes it).
 KT_CACHES = ("fp8_e4m3",)
 
 
@@ -206,9 +206,9 @@ def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
-    G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R,
-                                                  P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
-                                                  **launch_kwargs())
+    kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
+    kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R, P=G.P, BM=G.BM,
+                              BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
 
 
 def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:

@@ -42,8 +42,9 @@ def mla_keys_as_m(fp8: bool):
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
 
     args = {**mla_args(fp8), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
-    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, FP8=fp8, PDL=True)
-    return compile_sm90(K.mla_attn_gluon_kt_kernel, args, consts, K.NUM_WARPS)
+    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, PDL=True)
+    kernel = K.mla_attn_gluon_kt_e4m3_kernel if fp8 else K.mla_attn_gluon_kt_kernel
+    return compile_sm90(kernel, args, consts, K.NUM_WARPS)
 
 
 def mla_seesaw():

@@ -74,7 +74,8 @@ def against_reference(kern, ref, batch, spec, cache, q, qp, scale, **plan_kw):
     rplan = ref.plan_attention(batch, spec)
     rout, rlse = ref.run_attention(rplan, cache.cpu(), q.cpu(), qp.cpu(), scale, return_lse=True)
     assert_close_rel(out, rout)
-    # FP8: the kernel feeds the MMA dequantised keys rounded to bf16 (the reference keeps float32).
+    # FP8: the kernels round dequantised keys, or probabilities times the keys' scales, to 16 bits (the reference
+    # keeps float32).
     tol = 1e-2 if spec.is_fp8 else 2e-3
     torch.testing.assert_close(lse.cpu(), rlse, rtol=tol, atol=tol)
     return plan, out, lse
@@ -188,9 +189,33 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
-    # The Triton tile folds FP8 scales into float32 scores; this kernel rounds the dequantised tile to bf16.
+    # FP8: the Triton tile rounds the probabilities to bf16, this kernel rounds them times the keys' scales to
+    # float16 (the widened tile is exact in both).
     gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, "launch_gluon_kt", "DEEPINFER_MLA_KT", kv_dtype,
                                        heads, query_lens, split, 1e-2 if spec.is_fp8 else 1e-3)
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+@pytest.mark.parametrize("magnitude", [2.0**17, 2.0**-24])
+def test_keys_as_m_e4m3_queries_outside_float16_range(kern, ref, gen, magnitude):
+    """The E4M3 keys-as-M kernel multiplies float16 copies of the queries, each row scaled by a power of two: rows
+    past float16's range (2^17 here) and rows below its subnormals (2^-24) come out as the reference's. The
+    scores are those of unscaled queries (the softmax scale divided by the magnitude)."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    spec = KVCacheSpec(1, 64, RANK, ROPE, "fp8_e4m3")
+    if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    seq_lens = (70, 700, 4100)
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, "fp8_e4m3")
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, len(seq_lens), 16, gen, scale=0.3)
+    q, qp = (q.float() * magnitude).bfloat16(), (qp.float() * magnitude).bfloat16()
+    assert (q.float().abs().amax() > 65504) == (magnitude > 1)
+    batch = AttentionBatch((1,) * len(seq_lens), seq_lens, tables)
+    _, out, _ = against_reference(kern, ref, batch, spec, cache, q, qp, RANK**-0.5 / magnitude)
+    assert torch.isfinite(out.float()).all()
 
 
 @pytest.mark.parametrize("heads", [0, 16, 128])
