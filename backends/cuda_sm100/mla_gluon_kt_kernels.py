@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _block_of, _copy_queries, _copy_query_rows, _copy_tile, _gdc_enter, _lse, _store_lse, _store_rows, _work_item,
+    _block_of, _copy_queries, _copy_tile, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item,
     copy_layout,
 )
 
@@ -163,24 +163,6 @@ _P_SHIFT = gl.constexpr(256.0)
 
 
 @gluon.jit
-def _queries_f16(q16_smem, q_ptr, q_st, q_sh, row0, H, tok0, qlen, slot, Q_L: gl.constexpr, S_L: gl.constexpr,
-                 BM: gl.constexpr, R: gl.constexpr):
-    """Load the tile's latent query rows, scale each by the power of two that puts its largest value in
-    [2^14, 2^15) (exact, inside float16's range and above its subnormals, whatever the row's magnitude) and store
-    them as float16 into q16_smem; returns the factors that undo it, one per S^T column."""
-    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, Q_L))
-    tok = (tok0 + r // H).to(gl.int64)
-    c = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
-    q = gl.load(q_ptr + (tok * q_st + (r % H) * q_sh)[:, None] + c[None, :],
-                mask=((r // H < qlen) & (slot >= -1))[:, None], other=0.0).to(gl.float32)
-    amax = gl.max(gl.abs(q), axis=1)
-    # floor(log2(amax)) - 14 from the exponent bits; rows of zeros (padding) stop at 2^-100
-    e = gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 141, -100).to(gl.float32)
-    q16_smem.store((q * gl.exp2(-e)[:, None]).to(gl.float16))
-    return gl.convert_layout(gl.exp2(e), gl.SliceLayout(0, S_L))
-
-
-@gluon.jit
 def _tile_scales(scl_ptr, blk, start, kv_end, BS, scl_sb, scl_st, scale_off, L: gl.constexpr, BN: gl.constexpr):
     """The key tile's per-token scales, one [BN] vector per 128-value group (R = 512: four), 0 past kv_end."""
     n = gl.arange(0, BN, layout=L)
@@ -219,7 +201,6 @@ def mla_attn_gluon_kt_e4m3_kernel(
 ):
     """mla_attn_gluon_kt_kernel for DeepSeek's FP8 cache: the E4M3 tile is widened to float16 once and its scales
     are applied to scores and probabilities per 128-value group (see above)."""
-    Q_L: gl.constexpr = copy_layout("q", 4)
     LAT_L: gl.constexpr = copy_layout("lat", 4, True)
     PE_L: gl.constexpr = copy_layout("pe", 4)
     DQ_L: gl.constexpr = copy_layout("dq", 4)
@@ -246,10 +227,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
     kh_smem = gl.allocate_shared_memory(gl.float16, [BN, R], LAT_S)
     p_smem = gl.allocate_shared_memory(gl.float16, [R // 128, BN, BM], P_S)
 
-    # Rope queries (one commit group), key tiles 0 and 1 (one group each), then the latent queries through
-    # registers while the tiles fly.
-    _copy_query_rows(qpe_smem, qpe_ptr, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, 0, PE_L, BM, P)
-    async_copy.commit_group()
+    # Key tiles 0 and 1 (one commit group each), then the queries through registers while the tiles fly.
     ring = (k_bufs, kpe_bufs, kv_lo, (lat_ptr, rope_ptr), (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off))
     scale_args = (kv_end, BS, scl_sb, scl_st, scale_off)
     _issue_tile(0, blk0, *ring, LAT_L, PE_L, R, P, BN, STAGES)
@@ -258,7 +236,8 @@ def mla_attn_gluon_kt_e4m3_kernel(
     # mla_decode.py 16 heads, the same registers and stack).
     sc = _tile_scales(scl_ptr, blk0, kv_lo, *scale_args, KEYS_L, BN)
     sc_n = _tile_scales(scl_ptr, blk1, kv_lo + BN, *scale_args, KEYS_L, BN)
-    q_fac = _queries_f16(q16_smem, q_ptr, q_st, q_sh, row0, H, tok0, qlen, slot, Q_L, S_L, BM, R)
+    q_fac = _stage_queries_f16(q16_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen,
+                               slot, PE_L, gl.SliceLayout(0, S_L), BM, R, P, 4)
 
     rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, S_L))
     pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
@@ -274,7 +253,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
     for t in range(0, n_tiles):
         buf = t % STAGES
         start = kv_lo + t * BN
-        async_copy.wait_group(STAGES - 1)  # this tile's group (and the rope queries') landed
+        async_copy.wait_group(STAGES - 1)  # this tile's group landed; the next may fly
         fence_async_shared()
         gl.thread_barrier()
         _widen_tile(k_bufs.index(buf), kh_smem, DQ_L, R)
@@ -291,7 +270,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
                            use_acc=False, is_async=True)
         s, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s, s0, s1, s2, s3))
         c0, c1, c2, c3 = sc
-        s = s + (s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
+        s = (s + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
         offs = start + kn
         s = gl.where((offs[:, None] <= pos[None, :]) & (offs[:, None] < kv_end), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
