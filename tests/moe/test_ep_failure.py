@@ -12,7 +12,6 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
