@@ -9,7 +9,7 @@ throughput, 41% of issue slots busy; benchmarks/RESULTS.md, issue 8). Turned aro
 wgmma's M and the query rows are its N (16), so:
 
 - both MMAs read their operands from shared memory (the score MMA the key tile and the queries, the output MMA
-  the same key tile transposed and the probabilities), as wgmma on bf16 allows either major order;
+  the same key tile transposed and the probabilities), as wgmma on 16-bit types allows either major order;
 - key tiles come in through cp.async, two deep (an FP8 tile's bytes are dead once widened, so its slot is
   refilled before the tile's output MMA), and an FP8 tile is widened once into a float16 tile (see
   mla_attn_gluon_kt_e4m3_kernel);
@@ -49,6 +49,22 @@ SMEM_BYTES = 174336
 
 
 @gluon.jit
+def _plan_reads(items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM: gl.constexpr,
+                BN: gl.constexpr, PDL: gl.constexpr):
+    """The program's work item (_work_item's, less the sequence), its tile count, block-table row and first two
+    tiles' cache blocks, then the PDL wait. They come from the step's plan, which the host wrote before the step's
+    first kernel: read before the wait, their chain of dependent loads overlaps the previous kernel. The queries
+    and the cache are read after it."""
+    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
+    n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
+    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
+    blk0 = _block_of(bt_row, kv_lo, kv_end, BS)
+    blk1 = _block_of(bt_row, kv_lo + BN, kv_end, BS)
+    _gdc_enter(PDL)
+    return row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1
+
+
+@gluon.jit
 def _issue_tile(t, blk, k_bufs, kpe_bufs, kv_lo, tile_args, addr_args, LAT_L: gl.constexpr, PE_L: gl.constexpr,
                 R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     """cp.async key tile t (in cache block blk) into ring slot t % STAGES: one commit group, empty past the last
@@ -81,15 +97,8 @@ def mla_attn_gluon_kt_kernel(
     QPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
     P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16)
 
-    # The work item, its sequence's metadata and the first tiles' cache blocks come from the step's plan, which
-    # the host wrote before the step's first kernel: read before the PDL wait, their chain of dependent loads
-    # overlaps the previous kernel. The queries and the cache are read after it.
-    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
-    n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
-    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
-    blk0 = _block_of(bt_row, kv_lo, kv_end, BS)
-    blk1 = _block_of(bt_row, kv_lo + BN, kv_end, BS)
-    _gdc_enter(PDL)
+    row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
+        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], Q_S)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], QPE_S)
@@ -212,12 +221,8 @@ def mla_attn_gluon_kt_e4m3_kernel(
     QPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
     P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float16)
 
-    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
-    n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
-    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
-    blk0 = _block_of(bt_row, kv_lo, kv_end, BS)
-    blk1 = _block_of(bt_row, kv_lo + BN, kv_end, BS)
-    _gdc_enter(PDL)
+    row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
+        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
 
     q16_smem = gl.allocate_shared_memory(gl.float16, [BM, R], Q_S)
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], QPE_S)
