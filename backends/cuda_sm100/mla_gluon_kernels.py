@@ -258,9 +258,10 @@ def _stage_queries_f16(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe
 def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: gl.constexpr):
     """E4M3 tile k8 [BN, R] times its per-token scales [BN, R / 128] -> float16 tile kb, 128 columns at a time:
     the exact widening (one cvt per two values) times the scale rounded to float16 (one multiply per two), where
-    a bf16 tile took six instructions per two values. As accurate as bf16 for values above 2^-7 (float16's
-    11 bits against bf16's 8) and within 2^-25 x 448 absolute below it (subnormals); a dequantised value past
-    65504 (a latent value that large) would overflow."""
+    a bf16 tile took six instructions per two values. Rounding: float16's 11 bits where bf16 had 8, down to
+    2^-14 (below, float16's subnormals keep a value within 2^-25); the scale is rounded to 2^-12 for a group
+    whose largest value is 0.027 or more (the scale is then a normal float16). A dequantised value past 65504
+    (a latent value that large) would overflow."""
     g_idx = gl.arange(0, R // 128, layout=gl.SliceLayout(0, SC_L))
     for g in gl.static_range(R // 128):
         sc = gl.sum(gl.where(g_idx[None, :] == g, scales, 0.0), axis=1)  # each thread holds its rows' scales
