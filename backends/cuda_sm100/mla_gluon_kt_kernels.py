@@ -65,6 +65,38 @@ def _plan_reads(items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tile
 
 
 @gluon.jit
+def _column_state(row0, H, qlen, slen, slot, S_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """The softmax's starting state, a query row being a column of S^T: the rows, their query positions (-1:
+    none), running maxima and per-thread partial sums [BN, BM]; a zero score tile and a tile's key offsets."""
+    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, S_L))
+    pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
+    m_i = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(0, S_L))
+    l_keys = gl.zeros([BN, BM], gl.float32, layout=S_L)
+    s_zero = gl.zeros([BN, BM], gl.float32, layout=S_L)
+    kn = gl.arange(0, BN, layout=gl.SliceLayout(1, S_L))
+    return rs, pos, m_i, l_keys, s_zero, kn
+
+
+@gluon.jit
+def _column_softmax(s, offs, pos, kv_end, qk_scale, m_i, l_keys):
+    """One tile of the online softmax down S^T's columns (keys offs): masked scores in the exp2 domain, the new
+    running maxima, the probabilities. Returns (p, alpha: the old sums' and outputs' factor, m_i, l_keys)."""
+    s = gl.where((offs[:, None] <= pos[None, :]) & (offs[:, None] < kv_end), s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    return p, alpha, m_new, l_keys * alpha[None, :] + p
+
+
+@gluon.jit
+def _column_sums(l_keys, scale):
+    """The rows' probability sums and their reciprocals times 1 / scale (0 for rows with no key)."""
+    l_i = gl.sum(l_keys, axis=0)
+    has = l_i > 0.0
+    return l_i, gl.where(has, 1.0 / (gl.where(has, l_i, 1.0) * scale), 0.0)
+
+
+@gluon.jit
 def _issue_tile(t, blk, k_bufs, kpe_bufs, kv_lo, tile_args, addr_args, LAT_L: gl.constexpr, PE_L: gl.constexpr,
                 R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     """cp.async key tile t (in cache block blk) into ring slot t % STAGES: one commit group, empty past the last
@@ -113,14 +145,8 @@ def mla_attn_gluon_kt_kernel(
     _issue_tile(0, blk0, *ring, LAT_L, PE_L, R, P, BN, STAGES)
     _issue_tile(1, blk1, *ring, LAT_L, PE_L, R, P, BN, STAGES)
 
-    # Per query row (a column of S^T): its position, running max; per thread: partial row sums.
-    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, S_L))
-    pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
-    m_i = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(0, S_L))
-    l_keys = gl.zeros([BN, BM], gl.float32, layout=S_L)
+    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
     acc = gl.zeros([R, BM], gl.float32, layout=S_L)
-    s_zero = gl.zeros([BN, BM], gl.float32, layout=S_L)
-    kn = gl.arange(0, BN, layout=gl.SliceLayout(1, S_L))
 
     for t in range(0, n_tiles):
         buf = t % STAGES
@@ -132,13 +158,7 @@ def mla_attn_gluon_kt_kernel(
         s = warpgroup_mma(k, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(kpe_bufs.index(buf), qpe_smem.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        offs = start + kn
-        s = gl.where((offs[:, None] <= pos[None, :]) & (offs[:, None] < kv_end), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_keys = l_keys * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_keys = _column_softmax(s, start + kn, pos, kv_end, qk_scale, m_i, l_keys)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()  # all of P is written; every warp is past this tile's score MMAs
@@ -150,9 +170,7 @@ def mla_attn_gluon_kt_kernel(
                     STAGES)
     async_copy.wait_group(0)
 
-    l_i = gl.sum(l_keys, axis=0)
-    has = l_i > 0.0
-    inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+    l_i, inv_l = _column_sums(l_keys, 1.0)
     out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
     co = gl.arange(0, R, layout=gl.SliceLayout(1, S_L))
     _store_rows(acc * inv_l[None, :], co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
@@ -244,16 +262,11 @@ def mla_attn_gluon_kt_e4m3_kernel(
     q_fac = _stage_queries_f16(q16_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen,
                                slot, PE_L, gl.SliceLayout(0, S_L), BM, R, P, 4)
 
-    rs = row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, S_L))
-    pos = gl.where((rs // H < qlen) & (slot >= -1), slen - qlen + rs // H, -1)
-    m_i = gl.full([BM], -1.0e30, gl.float32, layout=gl.SliceLayout(0, S_L))
-    l_keys = gl.zeros([BN, BM], gl.float32, layout=S_L)
+    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
     acc0 = gl.zeros([128, BM], gl.float32, layout=S_L)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    s_zero = gl.zeros([BN, BM], gl.float32, layout=S_L)
-    kn = gl.arange(0, BN, layout=KEYS_L)
 
     for t in range(0, n_tiles):
         buf = t % STAGES
@@ -276,13 +289,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
         s, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s, s0, s1, s2, s3))
         c0, c1, c2, c3 = sc
         s = (s + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
-        offs = start + kn
-        s = gl.where((offs[:, None] <= pos[None, :]) & (offs[:, None] < kv_end), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[None, :])
-        l_keys = l_keys * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_keys = _column_softmax(s, start + kn, pos, kv_end, qk_scale, m_i, l_keys)
         _scaled_probs(p_smem, p, sc)
         fence_async_shared()
         gl.thread_barrier()  # all of P is written; every warp is past this tile's score MMAs
@@ -303,9 +310,8 @@ def mla_attn_gluon_kt_e4m3_kernel(
         gl.thread_barrier()  # every warp is done with P and the float16 tile before they are rewritten
     async_copy.wait_group(0)
 
-    l_i = gl.sum(l_keys, axis=0)
-    has = l_i > 0.0
-    inv_l = gl.where(has, 1.0 / (gl.where(has, l_i, 1.0) * _P_SHIFT), 0.0)[None, :]
+    l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
+    inv_l = inv_l[None, :]
     out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
     co = gl.arange(0, 128, layout=KEYS_L)
     _store_rows(acc0 * inv_l, co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
