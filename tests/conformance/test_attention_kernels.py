@@ -273,10 +273,10 @@ def test_combine_tiles_cover_the_rows_within_the_register_budget(num_tokens, hea
     hb, dc, st = combine_tiles(num_tokens, heads, 512, max_splits, 132)
     for v in (hb, dc, st):
         assert v & (v - 1) == 0
-    assert 1 <= hb <= 8 and 64 <= dc <= 512 and st == min(64, 1 << (max_splits - 1).bit_length())
+    assert 1 <= hb <= 8 and 32 <= dc <= 512 and st == min(256, 1 << (max_splits - 1).bit_length())
     assert st * hb * dc <= 8192
     programs = num_tokens * cdiv(heads, hb) * cdiv(512, dc)
-    assert programs >= 264 or (hb == 1 and dc == 64)
+    assert programs >= 264 or (hb == 1 and dc == 32)
     wider = combine_tiles(num_tokens * 64, heads, 512, max_splits, 132)
     assert wider[0] * wider[1] >= hb * dc  # more tokens never make a program's tile narrower
 
