@@ -161,10 +161,11 @@ def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: 
 # Caches whose tiles of at most 16 rows take the keys-as-M kernel by default. H200 (2026-12-01), 16 heads,
 # mla_decode.py, FP8 (mla_attn_gluon_kt_e4m3_kernel, float16 widening) against the Triton tile: 128 x 4096 keys
 # 0.20 vs 0.28 ms, 32 x 65536 0.73 vs 1.05; e2e V2-Lite, FP8 weights and cache, batch 32 at 1k 4779 tok/s
-# (4084 on the Triton tile). bf16 cache: within 2% either way in mla_decode.py (8% faster at 1 x 16384); e2e with
-# FP8 weights batch 32 at 1k +6.0%, batch 1 at 1k +0.4%, at 16k -0.9%: it stays on the Triton tile until batch-1
-# long contexts stop losing (DEEPINFER_MLA_KT=1 takes it).
-KT_CACHES = ("fp8_e4m3",)
+# (4084 on the Triton tile). bf16 cache: within 2% either way in mla_decode.py (8% faster at 1 x 16384); e2e
+# V2-Lite bf16 (since the one-round combine, two rounds each) batch 1 at 1k 531.9 / 532.7 vs 531.9 / 530.3 tok/s,
+# batch 32 at 1k 3502.7 / 3499.7 vs 3363.2 / 3361.1, batch 1 at 16k 480.3 / 479.2 vs 471.8 / 466.6.
+# DEEPINFER_MLA_KT=0 keeps the Triton tile (A/B runs).
+KT_CACHES = ("fp8_e4m3", "bf16")
 
 
 def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.device) -> bool:
