@@ -140,11 +140,11 @@ def launch_triton(kernel, grid, args, consts, cfg, aligned, fold_ok, choices: Ti
 
 def combine_tiles(num_tokens: int, heads: int, rank: int, max_splits: int, sms: int) -> tuple[int, int, int]:
     """(heads, columns, splits) one combine program takes at a time: every split at once where they fit (up to
-    256: its loop is a chain of dependent loads, so a second round costs a memory latency), whole latent rows of
-    several heads while that leaves ~2 programs per SM, narrower otherwise (down to 32 columns); at most 8192
-    partial values in flight (64 registers a thread). H200, 64 x 4096 keys x 128 heads, 4 splits: one head x 128
-    columns x 16 split slots a program took 0.11 ms, a third of the attention step (benchmarks/RESULTS.md, issue
-    8)."""
+    256: its loop is a chain of dependent loads, a memory latency a round), whole latent rows of several heads
+    while that leaves ~2 programs per SM, narrower otherwise (down to 32 columns); at most 8192 partial values in
+    flight (64 registers a thread). H200 (benchmarks/RESULTS.md, issue 8): at 64 x 4096 keys x 128 heads, one head
+    x 128 columns x 16 split slots a program took 0.11 ms, a third of the attention step; one 16-head token's 128
+    splits over 16k keys took 0.0221 ms with its attention in two rounds of 64, 0.0200 in one."""
     st = min(256, next_pow2(max_splits))
     hb, dc = 8, next_pow2(rank)
 
