@@ -105,9 +105,9 @@ def test_split_kv_combine_matches_reference(kern, ref, gen, kv_dtype, heads):
 @pytest.mark.parametrize("heads", [16, 32])
 @pytest.mark.parametrize("seq_lens", [(1, 300, 2000, 5000), (1, 64, 900, 2000)])
 def test_few_head_decode_with_the_plans_own_split(kern, ref, gen, kv_dtype, heads, seq_lens):
-    """Decode with 16 / 32 heads as the engine runs it: past TINY_STEP_KEYS keys (16 heads: one-warpgroup tiles,
-    FP8 scales folded into scores and probabilities) and within it (64-key items of one tile, 8 warps); 32 heads
-    on Hopper take the Gluon kernels' 64-row tiles."""
+    """Decode with 16 / 32 heads as the engine runs it: past TINY_STEP_KEYS keys and within it (64-key items of
+    one tile). 16 heads on Hopper take the keys-as-M kernels (elsewhere mla_attn_kernel's one-warpgroup tiles, FP8
+    scales folded into scores and probabilities); 32 heads on Hopper the Gluon kernels' 64-row tiles."""
     from deepinfer.backends.cuda_sm100.attention import TINY_STEP_KEYS
 
     nb, tables = tables_for(seq_lens, 64, gen)
