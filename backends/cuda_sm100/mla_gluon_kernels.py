@@ -90,15 +90,22 @@ def _block_of(bt_row, start, kv_end, BS):
 
 
 @gluon.jit
-def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, col0, L: gl.constexpr,
-                     BM: gl.constexpr, W: gl.constexpr):
-    """cp.async the tile's query rows (row = query x H + head), W columns from col0, of a [T, H, >= col0 + W] tensor
-    into smem [BM, W]; rows past the sequence's queries (or of padding items) are zero-filled."""
+def _query_rows(ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, col0, L: gl.constexpr, BM: gl.constexpr,
+                W: gl.constexpr):
+    """Pointers [BM, W] (layout L) to the tile's query rows (row = query x H + head), W columns from col0, of a
+    [T, H, >= col0 + W] tensor, and the rows' mask [BM, 1]: false past the sequence's queries or in padding items."""
     r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
     tok = (tok0 + r // H).to(gl.int64)
     c = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    async_copy.async_copy_global_to_shared(smem, ptr + (tok * stride_t + (r % H) * stride_h)[:, None] + c[None, :],
-                                           mask=((r // H < qlen) & (slot >= -1))[:, None])
+    return ptr + (tok * stride_t + (r % H) * stride_h)[:, None] + c[None, :], ((r // H < qlen) & (slot >= -1))[:, None]
+
+
+@gluon.jit
+def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, col0, L: gl.constexpr,
+                     BM: gl.constexpr, W: gl.constexpr):
+    """cp.async _query_rows' rows into smem [BM, W]; masked rows are zero-filled."""
+    ptrs, live = _query_rows(ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, col0, L, BM, W)
+    async_copy.async_copy_global_to_shared(smem, ptrs, mask=live)
 
 
 @gluon.jit
@@ -232,24 +239,19 @@ def _stage_queries_f16(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe
     one a row, in layout F_L. Reads the latent rows twice (the maximum, then the values: the second read hits L2)
     rather than holding them in registers."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # 128 columns, 16 bytes a thread
-    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
-    live = ((r // H < qlen) & (slot >= -1))[:, None]
-    row = q_ptr + ((tok0 + r // H).to(gl.int64) * q_st + (r % H) * q_sh)[:, None]
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :]
+    rows, live = _query_rows(q_ptr, q_st, q_sh, row0, H, tok0, qlen, slot, 0, L, BM, 128)
     amax = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, L))
     for g in gl.static_range(R // 128):
-        q = gl.load(row + (g * 128 + c), mask=live, other=0.0).to(gl.float32)
+        q = gl.load(rows + g * 128, mask=live, other=0.0).to(gl.float32)
         amax = gl.maximum(amax, gl.max(gl.abs(q), axis=1))
     # floor(log2(amax)) - 14 from the exponent bits; rows of zeros (padding) stop at 2^-100
     e = gl.minimum(gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 141, -100), 100).to(gl.float32)
     down = gl.exp2(-e)
     for g in gl.static_range(R // 128):
-        q = gl.load(row + (g * 128 + c), mask=live, other=0.0).to(gl.float32)
+        q = gl.load(rows + g * 128, mask=live, other=0.0).to(gl.float32)
         q_smem.slice(g * 128, 128, dim=1).store((q * down[:, None]).to(gl.float16))
-    rp = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, PE_L))
-    cp = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
-    qp = gl.load(qpe_ptr + ((tok0 + rp // H).to(gl.int64) * qpe_st + (rp % H) * qpe_sh)[:, None] + cp[None, :],
-                 mask=((rp // H < qlen) & (slot >= -1))[:, None], other=0.0).to(gl.float32)
+    pe_rows, pe_live = _query_rows(qpe_ptr, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, 0, PE_L, BM, P)
+    qp = gl.load(pe_rows, mask=pe_live, other=0.0).to(gl.float32)
     qpe_smem.store((qp * gl.convert_layout(down, gl.SliceLayout(1, PE_L))[:, None]).to(gl.bfloat16))
     return gl.convert_layout(gl.exp2(e), F_L)
 
