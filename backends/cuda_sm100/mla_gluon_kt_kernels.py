@@ -97,6 +97,21 @@ def _column_sums(l_keys, scale):
 
 
 @gluon.jit
+def _kt_buffers(Q_T: gl.constexpr, K_T: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                P: gl.constexpr, STAGES: gl.constexpr):
+    """A keys-as-M program's query and ring buffers, in allocation order: latent queries [BM, R] in the MMAs'
+    16-bit type Q_T, rope queries [BM, P] (bf16), the ring's rope keys [STAGES, BN, P] (bf16) and key tiles
+    [STAGES, BN, R] of K_T (bf16, or E4M3 bytes)."""
+    q_smem = gl.allocate_shared_memory(Q_T, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], Q_T))
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P],
+                                        gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16))
+    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P],
+                                        gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16))
+    k_bufs = gl.allocate_shared_memory(K_T, [STAGES, BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], K_T))
+    return q_smem, qpe_smem, kpe_bufs, k_bufs
+
+
+@gluon.jit
 def _issue_tile(t, blk, k_bufs, kpe_bufs, kv_lo, tile_args, addr_args, LAT_L: gl.constexpr, PE_L: gl.constexpr,
                 R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     """cp.async key tile t (in cache block blk) into ring slot t % STAGES: one commit group, empty past the last
@@ -123,20 +138,13 @@ def mla_attn_gluon_kt_kernel(
     LAT_L: gl.constexpr = copy_layout("lat", 4)
     PE_L: gl.constexpr = copy_layout("pe", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16)
-    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16)
-    Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, R], gl.bfloat16)
-    QPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
-    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16)
 
     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
         items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], Q_S)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], QPE_S)
-    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P], PE_S)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R], LAT_S)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BM], P_S)
+    q_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.bfloat16, gl.bfloat16, BM, BN, R, P, STAGES)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BM],
+                                      gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16))
 
     # Queries (one commit group), then key tiles 0 and 1 (the ring's two slots), one group each.
     _copy_queries(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen, slot, Q_L, PE_L,
@@ -233,22 +241,14 @@ def mla_attn_gluon_kt_e4m3_kernel(
     DQ_L: gl.constexpr = copy_layout("dq", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
-    LAT_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16)
-    PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16)
-    Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, R], gl.float16)
-    QPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
-    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float16)
 
     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
         items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
 
-    q16_smem = gl.allocate_shared_memory(gl.float16, [BM, R], Q_S)
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P], QPE_S)
-    kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P], PE_S)
-    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, R],
-                                       gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
-    kh_smem = gl.allocate_shared_memory(gl.float16, [BN, R], LAT_S)
-    p_smem = gl.allocate_shared_memory(gl.float16, [R // 128, BN, BM], P_S)
+    q16_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.float16, gl.float8e4nv, BM, BN, R, P, STAGES)
+    kh_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+    p_smem = gl.allocate_shared_memory(gl.float16, [R // 128, BN, BM],
+                                      gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float16))
 
     # Key tiles 0 and 1 (one commit group each), then the queries through registers while the tiles fly.
     ring = (k_bufs, kpe_bufs, kv_lo, (lat_ptr, rope_ptr), (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off))
