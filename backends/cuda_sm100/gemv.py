@@ -68,13 +68,17 @@ def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Te
     return takes and gemv_grouped_fits(x, weight, x_scale)
 
 
-def default_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, warps: int | None) -> tuple[int, int, int]:
+def default_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, warps: int | None,
+                  expert_gate_up: bool = False) -> tuple[int, int, int]:
     """(rows a program, K step, warps). Default: 8 weight rows, 16 KiB of weight a row group a step (1024 16-bit or
     2048 E4M3 columns), 64 weight values a thread; where that step pads K by more than an eighth (the last step
     mostly masked), half the step and twice the rows, keeping the values a thread. H200, gemm_decode.py --sweep,
     V2-Lite at batch 1, us: bf16 q/kv_a 5.8 (cuBLAS 8.1), o_proj 4.5 (7.3), lm_head 98 (109); FP8 q/kv_a 4.9 and
     o_proj 3.5, against 8.5 and 7.7 for the GEMM tile with its quantiser; bf16 experts' down (K = 1408) 14.8 at
-    16 x 512 against 17.1 at 8 x 1024."""
+    16 x 512 against 17.1 at 8 x 1024. expert_gate_up (a grouped, gated call): E4M3 weights take FP8_GATED_TILES
+    where no tile is given."""
+    if expert_gate_up and weight.format is WeightFormat.FP8_BLOCK and bn is None and bk is None and warps is None:
+        bn, bk, warps = FP8_GATED_TILES
     fit = max(128, next_pow2(k))  # no step wider than K's power of two
     if bk is None:
         widest = min(2048 // weight.data.element_size(), fit)
@@ -129,8 +133,8 @@ def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tenso
                  settled_tail: int = 0) -> torch.Tensor:
     """Rows x [M, K] sorted by group (group_sizes [G] on the device) times their groups' weights [G, N_w, K], each
     row its own pass over its group's weight: for gemv_grouped_usable() calls. gated: the weight is [gate; up]
-    and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it (E4M3 weights: on FP8_GATED_TILES
-    unless the tiles are given). x may be E4M3 with x_scale.
+    and the output silu(gate) * up [M, N_w / 2], as gate_up_silu computes it (tiles: default_tiles'). x may be
+    E4M3 with x_scale.
     sizes_early (Backend.grouped_linear's sizes_settled): under PDL each program reads the sizes (from L2) and
     loads its first weight slab before waiting for the previous kernel. H200, V2-Lite bf16 batch 1 (down
     projection): e2e 466.5 / 466.6 -> 471.9 / 470.3 tok/s. settled_tail (Backend.gated_linear's): under PDL the
@@ -140,9 +144,8 @@ def gemv_grouped(x: torch.Tensor, weight: LinearWeight, group_sizes: torch.Tenso
     m, k = x.shape
     n = weight.out_features // 2 if gated else weight.out_features
     out = torch.empty(m, n, dtype=out_dtype or (torch.bfloat16 if x_fp8 else x.dtype), device=x.device)
-    e4m3_gate_up = gated and weight.format is WeightFormat.FP8_BLOCK and bn is None and bk is None and warps is None
-    tiles = default_tiles(weight, k, *(FP8_GATED_TILES if e4m3_gate_up else (bn, bk, warps)))
-    _launch(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated, tiles, sizes_early,
+    _launch(x, x_scale if x_fp8 else x, weight, out, n, m, group_sizes, x_fp8, gated,
+            default_tiles(weight, k, bn, bk, warps, expert_gate_up=gated), sizes_early,
             min(settled_tail, m, weight.data.shape[0]))
     return out
 

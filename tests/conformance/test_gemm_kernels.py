@@ -386,6 +386,7 @@ def test_grouped_decode_gemv_matches_per_group_reference(cuda_backend, gen, gemv
     assert torch.equal(gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=gated, settled_tail=tail), out)
     if fmt == "fp8_block" and gated:  # the tiles an E4M3 gate/up takes by default, given explicitly: the same
         bn, bk, warps = gemv.FP8_GATED_TILES
+        assert gemv.default_tiles(w, k, None, None, None, expert_gate_up=True) == (bn, bk, warps)
         tiled = gemv.gemv_grouped(x_in, w.to(dev), sizes_dev, x_scale, gated=True, bn=bn, bk=bk, warps=warps)
         assert _rel_err(tiled, ref) < 8e-3
     if fmt == "fp8_block" and x_kind == "bf16":
