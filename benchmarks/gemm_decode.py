@@ -35,7 +35,7 @@ import gemm as B  # benchmarks/gemm.py: timing, FP8 weights, tile names
 from deepinfer import quant
 from deepinfer.weights import LinearWeight
 
-from deepinfer.backends.cuda_sm100 import gemm as G, gemv as V
+from deepinfer.backends.cuda_sm100 import gemm as G, gemm_wm as WM, gemv as V
 
 MODELS = {  # hidden, expert intermediate, routed experts, top_k, shared slices, q + kv_a width, o_proj in, vocab
     "v2-lite": dict(hidden=2048, inter=1408, experts=64, top_k=6, shared=2, q_kv_a=16 * 192 + 576, o_in=16 * 128, vocab=102400),
@@ -50,6 +50,8 @@ GEMV_GROUPED_TILES = [(8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (3
                       (16, 2048, 8), (32, 2048, 8)]
 GEMV_DENSE_TILES = [(4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (16, 1024, 8), (8, 512, 4), (4, 1024, 4), (16, 2048, 8),
                     (32, 2048, 8)]
+# (weight rows a program, stages, warps) of the weights-as-M FP8 kernel's sweeps (gemm_wm.default_tiles).
+WM_TILES = [(64, 3, 4), (64, 4, 4), (64, 6, 4), (64, 8, 4), (128, 3, 4), (128, 4, 8), (128, 6, 8)]
 COPIES = 8  # distinct weights per timed graph (the lm_head case: 2)
 
 
@@ -100,6 +102,13 @@ def _per_copy(fn, copies: int) -> tuple[float | None, str]:
     """Milliseconds per call of fn(i) over copies i = 0.. copies-1 run back to back in one graph."""
     ms, err = B.try_time(lambda: [fn(i) for i in range(copies)])
     return (None if ms is None else ms / copies), err
+
+
+def wm_run(x: torch.Tensor, w: LinearWeight, sizes: torch.Tensor | None, gated: bool, tiles) -> torch.Tensor:
+    """x quantised as gemm._launch's callers do (quant_fp8), then the weights-as-M kernel on the given tiles."""
+    n = w.out_features // 2 if gated else w.out_features
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    return WM.launch(*G.quantize_fp8(x, column_major_scales=True), w, out, sizes, gated, tiles)
 
 
 def measure(name: str, run, copies: int, bytes_: float, read: float | None, sweep_runs: list[tuple[str, object]],
@@ -165,6 +174,9 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
         if V.gemv_grouped_fits(x, gate_up[0]):
             runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: V.gemv_grouped(
                 x, gate_up[i], sizes, gated=True, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
+        if WM.usable(*G.quantize_fp8(x), gate_up[0], gated=True):
+            runs += [(f"quant + wm {c[0]} s{c[1]} w{c[2]}", lambda i, c=c: wm_run(x, gate_up[i], sizes, True, c))
+                     for c in WM_TILES]
     peers = []
     if not fp8:
         host = sizes.tolist()
@@ -186,6 +198,9 @@ def bench_experts(m: dict, batch: int, fmt: str, sweep: bool, read: float | None
     if sweep and V.gemv_grouped_fits(hidden, down[0]):
         runs += [(f"gemv {c[0]}x{c[1]} w{c[2]}", lambda i, c=c: V.gemv_grouped(
             hidden, down[i], sizes, bn=c[0], bk=c[1], warps=c[2])) for c in GEMV_GROUPED_TILES]
+    if sweep and WM.usable(*G.quantize_fp8(hidden), down[0]):
+        runs += [(f"quant + wm {c[0]} s{c[1]} w{c[2]}", lambda i, c=c: wm_run(hidden, down[i], sizes, False, c))
+                 for c in WM_TILES]
     peers = []
     if not fp8:
         offs = torch.cumsum(sizes, 0).to(torch.int32)
@@ -234,11 +249,15 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
         else:
             peers = [("cuBLAS bf16", lambda i: x @ ws[i].data.t())]
             runs.append(("Triton tile", lambda i: G.linear(x, ws[i], dense_triton=True)))
-        # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights)
+        # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights, and for
+        # E4M3 ones the quantiser and the weights-as-M kernel up to 16 rows unless DEEPINFER_WM=0)
         ours = lambda i: G.linear(x, ws[i])  # noqa: E731
         if sweep and V.gemv_usable(x, ws[0]):
             for bn, bk, warps in GEMV_DENSE_TILES:
                 runs.append((f"gemv {bn}x{bk} w{warps}", lambda i, c=(bn, bk, warps): V.gemv(x, ws[i], bn=c[0], bk=c[1], warps=c[2])))
+        if sweep and WM.usable(*G.quantize_fp8(x), ws[0]):
+            runs += [(f"quant + wm {c[0]} s{c[1]} w{c[2]}", lambda i, c=c: wm_run(x, ws[i], None, False, c))
+                     for c in WM_TILES]
         measure(f"B={batch} {fmt} {label} [{n}x{k}]", ours, copies, weight_bytes(ws[0], n, k), read, runs, peers)
 
 

@@ -15,7 +15,8 @@
   with per-group counts, for decode under CUDA graphs), and gate/up fused with SiLU-and-mul (+ FP8
   quantisation of the result for the down projection).
 - One decode token's rows (batch-1 linear, its experts' rows for 16-bit experts, MLA's per-head projections)
-  go to the GEMV where gemv.py's predicates take them.
+  go to the GEMV where gemv.py's predicates take them; other decode-sized E4M3 rows (at most 16 a matrix, or a
+  group on average) to the weights-as-M kernel (gemm_wm.py), whose E4M3 wgmmas convert no weight.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from deepinfer.checks import FLOAT_DTYPES, check_tensor
 from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight, WeightFormat
 
-from deepinfer.backends.cuda_sm100 import gemm_gluon, gemm_kernels as K, triton_interpreter_requested
+from deepinfer.backends.cuda_sm100 import gemm_gluon, gemm_kernels as K, gemm_wm as WM, triton_interpreter_requested
 from deepinfer.backends.cuda_sm100.gemv import (gemv, gemv_grouped, gemv_grouped_usable, gemv_per_head,
                                                 gemv_per_head_usable, gemv_usable)
 from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
@@ -245,6 +246,10 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
             and gemm_gluon.fp8_ws_usable(a, a_scale, weight.data, weight.scale, out, m, groups if layout else 0)):
         gemm_gluon.launch_fp8_ws(a, a_scale, weight.data, weight.scale, out, group_sizes=sizes if layout else None)
         return out
+    # A decode step's few E4M3 rows: the weights-as-M kernel (its E4M3 wgmmas convert no weight).
+    if (layout in (0, 1) and cfg is None and not invariant and out_scale is None and tile_n is None
+            and (not fused or round_dtype in (None, out.dtype)) and WM.usable(a, a_scale, weight, fused)):
+        return WM.launch(a, a_scale, weight, out, sizes if layout else None, gated=fused)
     w = weight.data if weight.data.dim() == 3 else weight.data.unsqueeze(0)
     sc = weight.scale
     if sc is not None and sc.dim() == w.dim() - 1:

@@ -57,7 +57,10 @@ def _quantize_rows(x, mask):
     """[R, 128] float32 group tile -> (e4m3-valued float32 tile, fp32 scale per row), like quant.py."""
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    # Zeros (masked-off rows and columns, mostly) keep their value: div_rn sends a zero dividend to its slow path.
+    nonzero = x != 0.0
+    q = tl.where(nonzero, tl.math.div_rn(tl.where(nonzero, x, 1.0), scale[:, None]), x)
+    q = tl.clamp(q, -FP8_MAX, FP8_MAX)
     return _round_e4m3(q), scale
 
 

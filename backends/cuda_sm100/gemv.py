@@ -61,8 +61,9 @@ def gemv_grouped_usable(x: torch.Tensor, weight: LinearWeight, x_scale: torch.Te
     """Whether grouped_linear / gate_up_silu route rows x to gemv_grouped(): gemv_grouped_fits, with 16-bit
     weights; E4M3 ones only for a gated gate/up of 16-bit rows (quantised in the kernel: no quantiser launch,
     and x is then the norm's output, which lets a token's shared-expert rows run before the wait), on
-    FP8_GATED_TILES. Other E4M3 experts stay on the GEMM tile, which the GEMV lost to (H200, V2-Lite batch 1,
-    gemm_decode.py --sweep: down 13.4 us at the GEMV's best tile against 11.7)."""
+    FP8_GATED_TILES. Other E4M3 experts go to gemm._launch (the weights-as-M kernel for a decode step's rows), which
+    the GEMV lost to (H200, V2-Lite batch 1, gemm_decode.py --sweep: down 13.4 us at the GEMV's best tile against
+    the GEMM tile's 11.7)."""
     e4m3_gate_up = gated and x.dtype in (torch.bfloat16, torch.float16)
     takes = weight.format is WeightFormat.DENSE or (weight.format is WeightFormat.FP8_BLOCK and e4m3_gate_up)
     return takes and gemv_grouped_fits(x, weight, x_scale)

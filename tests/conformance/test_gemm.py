@@ -127,12 +127,15 @@ def test_grouped_linear_matches_per_group_loop(backend, gen, fmt, sizes, k, n):
     out = backend.grouped_linear(x.to(backend.device), lw, group_sizes)
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert _rel_err(out, _grouped_reference(x, lw, sizes)) < _tol(backend, fmt)
-    # The same rows through linear, one expert at a time: identical semantics.
+    # The same rows through linear, one expert at a time: identical semantics. (FP8 weights on a GPU: the two may
+    # take different kernels, e.g. the GEMV for a group's one row against E4M3 tensor cores, which sum a 128-wide
+    # block's products in ~14 bits before the float32 promotion.)
+    close = 1e-3 if fmt == "fp8_block" and backend.device.type == "cuda" else 1e-5
     start = 0
     for g, size in enumerate(sizes):
         if size:
             single = backend.linear(x[start : start + size].to(backend.device), _expert(lw, g))
-            assert _rel_err(out[start : start + size], single) < 1e-5
+            assert _rel_err(out[start : start + size], single) < close
         start += size
 
 
