@@ -14,15 +14,6 @@ from deepinfer.weights import LinearWeight
 
 
 @pytest.fixture
-def cuda_backend():
-    from deepinfer.registry import list_backends, load_backend
-
-    if not any(info.name == "cuda_sm100" and info.usable for info in list_backends()):
-        pytest.skip("cuda_sm100 is not usable here")
-    return load_backend("cuda_sm100")
-
-
-@pytest.fixture
 def wm():
     from deepinfer.backends.cuda_sm100 import gemm_wm
 
