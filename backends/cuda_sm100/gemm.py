@@ -15,7 +15,7 @@
   with per-group counts, for decode under CUDA graphs), and gate/up fused with SiLU-and-mul (+ FP8
   quantisation of the result for the down projection).
 - One decode token's rows (batch-1 linear, its experts' rows for 16-bit experts, MLA's per-head projections)
-  go to the GEMV where gemv.py's predicates take them; other decode-sized E4M3 rows (at most 16 a matrix, or a
+  go to the GEMV where gemv.py's predicates take them; other decode-sized E4M3 rows (at most 32 a matrix, or 16 a
   group on average) to the weights-as-M kernel (gemm_wm.py), whose E4M3 wgmmas convert no weight.
 """
 

@@ -3,9 +3,9 @@ rows against E4M3 block weights, one matrix or rows sorted by group, plain or as
 
 gemm._launch asks `usable` once the rows are quantised, before it picks a gemm_kernel tile, so the GEMV keeps
 what gemv.py's predicates take (one row of 16-bit activations) and this kernel the rest up to WM_MAX_ROWS rows
-(H200, RESULTS.md issue 10, twenty-sixth session: 7.1 against 9.7 us for a 32-row q/kv_a, 50 against 54 us for
-batch 32's expert down projections). DEEPINFER_WM=0 turns it off (A/B runs); batch-invariant mode never takes it
-(a row's sums would depend on which kernel its batch's size picks).
+of one matrix, or WM_MAX_GROUP_ROWS a group (H200, RESULTS.md issue 10, twenty-sixth session: 7.1 against 9.7 us
+for a 32-row q/kv_a, 50 against 54 us for batch 32's expert down projections). DEEPINFER_WM=0 turns it off (A/B
+runs); batch-invariant mode never takes it (a row's sums would depend on which kernel its batch's size picks).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from deepinfer.weights import LinearWeight, WeightFormat
 
 BLOCK = quant.FP8_BLOCK
 BM = 16  # rows a program takes: the wgmma's N
-# Rows it takes: one tile's per matrix, and on average per group for grouped calls; beyond that the GEMM tile's
-# row-major MMAs read each weight tile for more rows at once.
-WM_MAX_ROWS = 16
+# Rows it takes: two tiles' for one matrix (a batch-32 decode step: the second tile's weight reads hit L2; H200,
+# V2-Lite q/kv_a 7.1 against the GEMM tile's 9.7 us), one tile's on average per group for grouped calls; beyond
+# that the GEMM tile's row-major MMAs read each weight tile for more rows at once.
+WM_MAX_ROWS = 32
+WM_MAX_GROUP_ROWS = 16
 
 
 @functools.cache
@@ -36,13 +38,15 @@ def _arch_ok(device: torch.device) -> bool:
 
 def usable(a: torch.Tensor, a_scale: torch.Tensor | None, weight: LinearWeight, gated: bool = False) -> bool:
     """Rows a [M, K] E4M3 with scales a_scale [M, K / 128], weight [N, K] or stacked [G, N, K] (a's rows sorted by
-    group) in E4M3 blocks, M at most WM_MAX_ROWS per matrix; gated ([gate; up]): N / 2 a multiple of 64."""
+    group) in E4M3 blocks, M at most WM_MAX_ROWS (one matrix) or WM_MAX_GROUP_ROWS a group on average; gated
+    ([gate; up]): N / 2 a multiple of 64."""
     if os.environ.get("DEEPINFER_WM", "1") == "0" or weight.format is not WeightFormat.FP8_BLOCK:
         return False
     if a_scale is None or a.dtype != quant.FP8_DTYPE or not a.is_cuda or not _arch_ok(a.device):
         return False  # (the interpreter's CPU runs call launch directly)
     n = weight.out_features // 2 if gated else weight.out_features
-    return (0 < a.shape[0] <= WM_MAX_ROWS * weight.num_groups and (not gated or n % 64 == 0)
+    cap = WM_MAX_GROUP_ROWS * weight.num_groups if weight.data.dim() == 3 else WM_MAX_ROWS
+    return (0 < a.shape[0] <= cap and (not gated or n % 64 == 0)
             and a.stride(-1) == 1 and weight.data.is_contiguous() and weight.scale.stride(-1) == 1
             and weight.in_features % BLOCK == 0)
 

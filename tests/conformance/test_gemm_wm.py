@@ -37,7 +37,7 @@ def _fp8_rows(x: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k,n", [(1, 256, 200), (3, 384, 64), (16, 128, 130), (20, 256, 72)])
+@pytest.mark.parametrize("rows,k,n", [(1, 256, 200), (3, 384, 64), (16, 128, 130), (20, 256, 72), (33, 128, 64)])
 def test_one_matrix_matches_the_reference(cuda_backend, gen, wm, dtype, rows, k, n):
     """N not a multiple of the tile's 64 columns (nor of the 128-row scale blocks), more rows than one 16-row tile;
     scales column-major, as quant_fp8 stores them for the GEMMs."""
@@ -77,7 +77,7 @@ def test_grouped_rows_match_the_per_group_reference(cuda_backend, gen, wm, sizes
 
 
 def test_takes_only_what_it_computes(cuda_backend, gen, wm, monkeypatch):
-    """E4M3 rows with scales, E4M3 block weights with K a multiple of 128, at most 16 rows a matrix; not 16-bit
+    """E4M3 rows with scales, E4M3 block weights with K a multiple of 128, at most 32 rows a matrix; not 16-bit
     rows, dense weights, K off the blocks, more rows, or DEEPINFER_WM=0; and gemm.linear sends a few 16-bit rows
     here once quant_fp8 has quantised them, the same bits as the kernel called directly."""
     from deepinfer.backends.cuda_sm100 import gemm
@@ -90,7 +90,8 @@ def test_takes_only_what_it_computes(cuda_backend, gen, wm, monkeypatch):
     w = LinearWeight.quantize(torch.randn(64, 256, generator=gen).bfloat16(), "fp8_block").to(dev)
     assert wm.usable(q, s, w)
     assert not wm.usable(q, None, w) and not wm.usable(x.to(dev), s, w)
-    assert not wm.usable(torch.cat([q] * 6), torch.cat([s] * 6), w)
+    assert wm.usable(torch.cat([q] * 10), torch.cat([s] * 10), w)
+    assert not wm.usable(torch.cat([q] * 11), torch.cat([s] * 11), w)
     assert not wm.usable(q, s, LinearWeight.dense(w.dequantize().bfloat16()))
     w_odd = LinearWeight.quantize(torch.randn(64, 200, generator=gen).bfloat16(), "fp8_block").to(dev)
     assert not wm.usable(*_fp8_rows(torch.randn(1, 200, generator=gen), dev), w_odd)
