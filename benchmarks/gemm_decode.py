@@ -250,7 +250,7 @@ def bench_dense(m: dict, batch: int, fmt: str, sweep: bool, read: float | None) 
             peers = [("cuBLAS bf16", lambda i: x @ ws[i].data.t())]
             runs.append(("Triton tile", lambda i: G.linear(x, ws[i], dense_triton=True)))
         # ours: the backend's choice (batch 1: the GEMV unless DEEPINFER_GEMV=0; else cuBLAS for bf16 weights, and for
-        # E4M3 ones the quantiser and the weights-as-M kernel up to 16 rows unless DEEPINFER_WM=0)
+        # E4M3 ones the quantiser and the weights-as-M kernel up to 32 rows unless DEEPINFER_WM=0)
         ours = lambda i: G.linear(x, ws[i])  # noqa: E731
         if sweep and V.gemv_usable(x, ws[0]):
             for bn, bk, warps in GEMV_DENSE_TILES:

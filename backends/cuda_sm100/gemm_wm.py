@@ -73,7 +73,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, weight: LinearWeight, out: to
     bn, stages, warps = tiles or default_tiles(gated)
     if BLOCK % bn or (gated and n % bn):  # a tile must lie in one 128-row scale block (gate and up rows alike)
         raise ValueError(f"weights-as-M tiles of {bn} rows do not fit {n}-row {'gated ' if gated else ''}blocks")
-    # Contiguous layout: each group's rows in ceil(size / 16) tiles, at most M tiles in all (every group has a row).
+    # Contiguous layout: each group's rows in ceil(size / 16) tiles, at most M in all (a tile holds at least one row).
     row_tiles = min(m, cdiv(m, BM) + groups) if stacked else cdiv(m, BM)
     kwargs = launch_kwargs()
     W.fp8_wm_kernel[(cdiv(n, bn), row_tiles)](

@@ -1,6 +1,6 @@
 """FP8 block-scaled GEMM of a decode step's few E4M3 rows, with the weight rows as the MMA's M ("weights as M").
 
-At decode sizes a projection reads its whole weight for 1-16 rows. gemm_kernel's 16-row tile makes the rows the
+At decode sizes a projection reads its whole weight for 1-32 rows. gemm_kernel's 16-row tile makes the rows the
 MMA's M, and a Hopper wgmma needs 64 there, so Triton runs it on mma.sync, which has no E4M3 form on sm_90: every
 weight is converted to float16 first (sm_90 PTX: 96 cvt.rn.f16x2.e4m3x2 a K step of a 16 x 64 x 128 gate/up tile).
 Transposed, out^T = W x^T, the weight tile [BN, 128] is the M of an m64n16k32 E4M3 wgmma read straight from
