@@ -208,9 +208,20 @@ def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
-    kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
-    kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R, P=G.P, BM=G.BM,
-                              BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
+    args = _gluon_args(q_nope, q_pe, views, plan, items, tail, 1)
+    consts = dict(R=G.R, P=G.P, BM=G.BM, BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
+    if not spec.is_fp8:
+        G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*args, **consts)
+        return
+    G.mla_attn_gluon_kt_e4m3_kernel[(items.shape[0],)](*args, **consts, L2_TILES=e4m3_l2_tiles(views))
+
+
+def e4m3_l2_tiles(views) -> bool:
+    """Whether the E4M3 keys-as-M kernel reads its tiles from L2 (two programs an SM, mla_gluon_kt_kernels'
+    L2_TILES) rather than through its shared-memory ring. Opt-in (DEEPINFER_MLA_KT_L2=1) until it has been run and
+    measured on a GPU; it needs each block's rows inside its stride (its bulk L2 prefetch reads BS rows)."""
+    lat_sb, lat_st, bs = views[3], views[4], views[11]
+    return os.environ.get("DEEPINFER_MLA_KT_L2") == "1" and lat_sb >= bs * lat_st
 
 
 def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:

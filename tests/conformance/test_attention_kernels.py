@@ -180,13 +180,19 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
 @pytest.mark.parametrize("heads,query_lens",
                          [(16, (1, 1, 1, 1, 1, 1)), (8, (1, 2, 1, 2, 2, 1)), (4, (1, 3, 4, 1, 2, 1))])
 @pytest.mark.parametrize("split", [None, 64, 128])
-def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, heads, query_lens, split):
+@pytest.mark.parametrize("l2_tiles", ["0", "1"])
+def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, heads, query_lens, split,
+                                                    l2_tiles):
     """Tiles of at most 16 rows on the keys-as-M Gluon kernel (16 heads; 8 heads x 1-2 queries; 4 heads x 1-4
     queries, tiles part padding), against the reference and against mla_attn_kernel's 16-row tile on the same
-    inputs: ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items."""
+    inputs: ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items. FP8: the
+    tiles through the shared-memory ring and read from L2 (DEEPINFER_MLA_KT_L2)."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
+    if l2_tiles == "1" and kv_dtype != "fp8_e4m3":
+        pytest.skip("only the E4M3 kernel reads its tiles from L2")
     monkeypatch.setenv("DEEPINFER_MLA_KT", "1")
+    monkeypatch.setenv("DEEPINFER_MLA_KT_L2", l2_tiles)
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
