@@ -13,6 +13,8 @@ from deepinfer.backend import Dispatched
 from deepinfer.errors import InvalidInputError
 from deepinfer.weights import LinearWeight
 
+from spawned_ranks import COLLECTIVE_TIMEOUT_S, RANKS_DEADLINE_S
+
 
 def _routing(gen: torch.Generator, t: int, k: int, experts: range) -> tuple[torch.Tensor, torch.Tensor]:
     """k distinct experts per token drawn from `experts`, with random positive weights."""
@@ -142,7 +144,7 @@ def _worker(rank: int, name: str, tmp: str) -> None:
         backend = load_backend(name, device=str(dev))
         getattr(torch, dev.type).set_device(dev)
     dist_backend = "gloo" if dev.type == "cpu" else backend.capabilities.dist_backend
-    dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         inputs = torch.load(f"{tmp}/inputs.pt")
         results = []
@@ -182,11 +184,11 @@ def test_two_ranks_match_single_process(backend, gen, tmp_path):
     torch.save({"cases": cases, "expert_w": expert_w}, tmp_path / "inputs.pt")
 
     ctx = mp.start_processes(_worker, args=(backend.name, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + RANKS_DEADLINE_S
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail("the 2-rank run did not finish within 120 s")
+                pytest.fail(f"the 2-rank run did not finish within {RANKS_DEADLINE_S} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -74,7 +74,7 @@ def test_front_and_follower_match_one_engine(checkpoint, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    lead, follower = run_ranks(_rank, 2, (checkpoint, port), tmp_path, timeout_s=120)
+    lead, follower = run_ranks(_rank, 2, (checkpoint, port), tmp_path)
     assert follower == {"follower": True}
     assert len(lead["errors"]) == 2 and "already in use" in lead["errors"][0]
     assert set(lead["owners"].values()) == {0, 1}  # requests went to both ranks

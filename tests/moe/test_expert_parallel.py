@@ -11,7 +11,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sampling_params import SamplingParams
 
-from spawned_ranks import run_ranks
+from spawned_ranks import COLLECTIVE_TIMEOUT_S, run_ranks
 from tiny_checkpoints import build_hf_model, save_checkpoint
 
 VOCAB = 96
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, store: str, path: str, assigned: list, nodes: i
     balancer rebalances every 3 steps from the recorded load."""
     from deepinfer.engine.expert_parallel import build_engine, init_distributed, shutdown_distributed
 
-    ctx = init_distributed("gloo", rank=rank, world_size=world, init_method=store, timeout_s=60,
+    ctx = init_distributed("gloo", rank=rank, world_size=world, init_method=store, timeout_s=COLLECTIVE_TIMEOUT_S,
                            local_world_size=world // nodes)
     config = EngineConfig(**_engine_options(path), expert_parallel_size=world, enable_eplb=True,
                           num_redundant_experts=redundant, eplb_window_size=4, eplb_step_interval=3)
@@ -111,7 +111,7 @@ CASES = [(2, 1, 2, [[0, 1, 2, 3], [4, 5, 6]]), (4, 2, 4, [[0, 1], [2, 3, 4], [5,
 def test_expert_parallel_matches_single_process(checkpoint, single_process, tmp_path, world, nodes, redundant, split):
     reqs = _requests(7)
     assigned = [[reqs[i] for i in idx] for idx in split]
-    results = run_ranks(_rank, world, (checkpoint, assigned, nodes, redundant), tmp_path, timeout_s=150)
+    results = run_ranks(_rank, world, (checkpoint, assigned, nodes, redundant), tmp_path)
 
     for rank, result in enumerate(results):
         for i in split[rank]:

@@ -14,7 +14,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 
-from spawned_ranks import run_ranks
+from spawned_ranks import COLLECTIVE_TIMEOUT_S, run_ranks
 from tiny_checkpoints import build_hf_model, save_checkpoint
 
 WORLD = 2
@@ -42,7 +42,8 @@ def _rank(rank: int, world: int, store: str, path: str, backend_name: str, assig
     mode = (dict(enforce_eager=True, overlap_scheduling=False) if eager else
             dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=10**6))
     config = EngineConfig(**_options(path, backend_name), expert_parallel_size=world, **mode)
-    ctx = init_distributed(dist_backend_for(config, rank), rank=rank, world_size=world, init_method=store, timeout_s=120)
+    ctx = init_distributed(dist_backend_for(config, rank), rank=rank, world_size=world, init_method=store,
+                           timeout_s=COLLECTIVE_TIMEOUT_S)
     ep = build_engine(config, ctx)
     for request_id, prompt, params in assigned[rank]:
         ep.engine.add_request(request_id, prompt, params)
@@ -86,7 +87,7 @@ def test_two_ranks_match_one_process(backend_name, checkpoint, gen, tmp_path, ea
     # (rank 1's requests have no prompt log-probs: all its steps overlap)
     # 240 s: a hang prints each rank's stack (spawned_ranks) before the deadline. Tearing the group down while
     # graphs holding NCCL kernels live hangs in torch (pytorch/pytorch#115388): ExpertParallelEngine.close first.
-    results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned, eager), tmp_path, timeout_s=240)
+    results = run_ranks(_rank, WORLD, (checkpoint, backend_name, assigned, eager), tmp_path)
     if not eager:
         assert all(r["moved"] > 0 for r in results), "the mid-run rebalance moved no expert"
     results = [r["outputs"] for r in results]

@@ -11,8 +11,14 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+# Hang guards, not speed limits: CI's two cores are shared by a test's ranks and the other pytest-xdist worker,
+# and on a slow day (2026-12-01) test_comm's two ranks ran past a 120 s deadline that had sufficed before. So the
+# deadline of a spawned run and the collectives' timeout inside it are generous; a real hang still ends.
+RANKS_DEADLINE_S = 600.0
+COLLECTIVE_TIMEOUT_S = 300
 
-def run_ranks(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = 90.0) -> list[object]:
+
+def run_ranks(fn: Callable, world: int, args: tuple, tmp: Path, timeout_s: float = RANKS_DEADLINE_S) -> list[object]:
     """fn(rank, world, store_path, *args) on `world` spawned processes; returns each rank's torch.save'd result
     from tmp/out{rank}.pt (fn writes it via save_result). Kills every child past the deadline."""
     ctx = mp.start_processes(_entry, args=(fn, world, str(tmp), args, timeout_s), nprocs=world, join=False,
