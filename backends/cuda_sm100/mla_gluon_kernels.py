@@ -148,8 +148,8 @@ def _prefetch_l2(ptr, nbytes, live, WARPS: gl.constexpr):
     thread (WARPS: the warps running this code). A hint, so the range must lie inside the allocation."""
     ONE: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one element a thread
     lane = gl.arange(0, 32 * WARPS, layout=ONE)
-    gl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r,r", [ptr + lane * 0, ((lane == 0) & live).to(gl.int32), nbytes + lane * 0],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    args = [ptr + lane * 0, ((lane == 0) & live).to(gl.int32), nbytes + lane * 0]
+    gl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r,r", args, dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

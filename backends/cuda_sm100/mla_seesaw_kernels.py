@@ -67,7 +67,6 @@ CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
-
 @gluon.jit
 def _copy_rows(dst, ptr, row_off, col0, rmask, W: gl.constexpr, L: gl.constexpr):
     """cp.async rows (element offsets row_off [64], masked rows zero-filled) x W columns from col0 into dst."""

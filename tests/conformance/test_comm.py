@@ -144,7 +144,8 @@ def _worker(rank: int, name: str, tmp: str) -> None:
         backend = load_backend(name, device=str(dev))
         getattr(torch, dev.type).set_device(dev)
     dist_backend = "gloo" if dev.type == "cpu" else backend.capabilities.dist_backend
-    dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(dist_backend, init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         inputs = torch.load(f"{tmp}/inputs.pt")
         results = []
