@@ -220,7 +220,7 @@ def e4m3_l2_tiles(views) -> bool:
     """Whether the E4M3 keys-as-M kernel reads its tiles from L2 (two programs an SM, mla_gluon_kt_kernels'
     L2_TILES) rather than through its shared-memory ring. Opt-in (DEEPINFER_MLA_KT_L2=1) until it has been run and
     measured on a GPU; it needs each block's rows inside its stride (its bulk L2 prefetch reads BS rows)."""
-    lat_sb, lat_st, bs = views[3], views[4], views[11]
+    _, _, _, lat_sb, lat_st, _, _, _, _, _, _, bs = views  # attention._cache_views' order
     return os.environ.get("DEEPINFER_MLA_KT_L2") == "1" and lat_sb >= bs * lat_st
 
 
