@@ -5,12 +5,12 @@
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 #   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (on by default): the graph and greedy-
 #                                        # equality tests with it, then decode at batch 1 / 32 with and without
+#   bash benchmarks/gpu_suite.sh kt-ws   # the warp-specialised E4M3 keys-as-M kernel (DEEPINFER_MLA_KT_WS): its GPU
+#                                        # tests, mla_decode.py's 16-head FP8 shapes off / on twice, and e2e V2-Lite
+#                                        # FP8 weights + cache, batch 1 / 32, off / on (~6 min)
 #   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine and EP engine
 #                                        # conformance, then benchmarks/ep_comm.py over every GPU (issue 13)
 #   bash benchmarks/gpu_suite.sh ep-e2e  # benchmarks/ep_e2e.py: the V2-Lite-shaped model over every GPU (~8 min)
-#   bash benchmarks/gpu_suite.sh kt-l2   # the E4M3 keys-as-M kernel reading its tiles from L2 (DEEPINFER_MLA_KT_L2):
-#                                        # its GPU tests, then mla_decode.py's 16-head FP8 shapes with it off / on
-#                                        # twice, and e2e V2-Lite FP8 weights + cache, batch 1 / 32 (~7 min)
 # Each stage writes its own log and prints a short summary; later stages run even if an earlier one fails,
 # so one call (device time is budgeted per session) brings back every number it could take.
 set -u
@@ -40,23 +40,20 @@ if [ "$LEVEL" = ep-e2e ]; then
     echo "ep_e2e (exit $?):"; grep -vE '^\s*$' "$OUT/ep_e2e.log" | grep -vE 'Warning|warn\(' | tail -60
     exit 0
 fi
-if [ "$LEVEL" = kt-l2 ]; then
+if [ "$LEVEL" = kt-ws ]; then
     DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 200 python3 -m pytest -q -n 8 tests/conformance/test_attention_kernels.py \
-        -k "keys_as_m or e4m3" > "$OUT/tests_kt_l2.log" 2>&1
-    echo "keys-as-M tests: $(grep -E 'passed|failed' "$OUT/tests_kt_l2.log" | tail -1)"
-    grep -E '^FAILED' "$OUT/tests_kt_l2.log" | head -10
-    DEEPINFER_MLA_KT_L2=1 DEEPINFER_TEST_BACKENDS=cuda_sm100 timeout 120 python3 -m pytest -q \
-        tests/engine/test_cuda_graphs.py > "$OUT/tests_kt_l2_graphs.log" 2>&1
-    echo "graphs with L2 tiles: $(grep -E 'passed|failed' "$OUT/tests_kt_l2_graphs.log" | tail -1)"
-    for l2 in 0 1 0 1; do
-        (cd benchmarks && DEEPINFER_MLA_KT_L2=$l2 timeout 120 python3 mla_decode.py --dtypes fp8_e4m3 --no-peer --reps 20 \
-            --shapes 128x4096x16,32x65536x16,64x4096x16,1x16384x16,1x1024x16 > "$OUT/mla_kt_l2_$l2.log" 2>&1)
-        echo "mla_decode DEEPINFER_MLA_KT_L2=$l2:"; grep -E '^\| fp8' "$OUT/mla_kt_l2_$l2.log" | cut -d'|' -f2-10
+        -k "keys_as_m or e4m3" > "$OUT/tests_kt_ws.log" 2>&1
+    echo "keys-as-M tests: $(grep -E 'passed|failed' "$OUT/tests_kt_ws.log" | tail -1)"
+    grep -E '^FAILED|Timeout' "$OUT/tests_kt_ws.log" | head -10
+    for ws in 0 1 0 1; do
+        (cd benchmarks && DEEPINFER_MLA_KT_WS=$ws timeout 120 python3 mla_decode.py --dtypes fp8_e4m3 --no-peer --reps 20 \
+            --shapes 128x4096x16,32x65536x16,64x4096x16,1x16384x16,1x1024x16 > "$OUT/mla_kt_ws_$ws.log" 2>&1)
+        echo "mla_decode DEEPINFER_MLA_KT_WS=$ws:"; grep -E '^\| fp8' "$OUT/mla_kt_ws_$ws.log" | cut -d'|' -f2-10
     done
-    for l2 in 0 1; do
-        DEEPINFER_MLA_KT_L2=$l2 timeout 150 python3 benchmarks/e2e.py --precision fp8 --kv-cache-dtype fp8_e4m3 \
-            --batches 1 32 --contexts 1024 --ttft --no-peer > "$OUT/e2e_kt_l2_$l2.log" 2>&1
-        echo "e2e DEEPINFER_MLA_KT_L2=$l2:"; grep -E '^==|^\s+[0-9]+\s+[0-9]+ ' "$OUT/e2e_kt_l2_$l2.log" | cut -c1-120
+    for ws in 0 1; do
+        DEEPINFER_MLA_KT_WS=$ws timeout 150 python3 benchmarks/e2e.py --precision fp8 --kv-cache-dtype fp8_e4m3 \
+            --batches 1 32 --contexts 1024 --ttft --no-peer > "$OUT/e2e_kt_ws_$ws.log" 2>&1
+        echo "e2e DEEPINFER_MLA_KT_WS=$ws:"; grep -E '^==|^\s+[0-9]+\s+[0-9]+ ' "$OUT/e2e_kt_ws_$ws.log" | cut -c1-120
     done
     exit 0
 fi

@@ -109,21 +109,6 @@ def _copy_query_rows(smem, ptr, stride_t, stride_h, row0, H, tok0, qlen, slot, c
 
 
 @gluon.jit
-def _copy_rope(kpe_buf, rope_ptr, blk, start, kv_end, BS, rope_sb, rope_st, rope_off, PE_L: gl.constexpr,
-               P: gl.constexpr, BN: gl.constexpr):
-    """cp.async the rope keys [start, start + BN) of block blk into kpe_buf [BN, P] (no commit); keys past kv_end
-    are zero-filled."""
-    n = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
-    off = (start % BS + n).to(gl.int64)
-    c = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
-    # Rows are 16-byte aligned (576 bf16 values, or 656 bytes with the rope at byte 528), which the FP8
-    # strides (328 bf16 elements) do not show the compiler: say so, for 16-byte copies.
-    rrow = gl.multiple_of(blk * rope_sb + off * rope_st + rope_off, 8)
-    ptrs = rope_ptr + rrow[:, None] + c[None, :]
-    async_copy.async_copy_global_to_shared(kpe_buf, ptrs, mask=(start + n < kv_end)[:, None])
-
-
-@gluon.jit
 def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off,
                LAT_L: gl.constexpr, PE_L: gl.constexpr, R: gl.constexpr, P: gl.constexpr, BN: gl.constexpr):
     """cp.async keys [start, start + BN) of block blk into k_buf [BN, R] (bf16, or E4M3 bytes) and kpe_buf
@@ -133,23 +118,15 @@ def _copy_tile(k_buf, kpe_buf, lat_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb
     c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_L))
     ptrs = lat_ptr + (blk * lat_sb + off * lat_st)[:, None] + c[None, :]
     async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=(start + n < kv_end)[:, None])
-    _copy_rope(kpe_buf, rope_ptr, blk, start, kv_end, BS, rope_sb, rope_st, rope_off, PE_L, P, BN)
+    n2 = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
+    off2 = (start % BS + n2).to(gl.int64)
+    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
+    # Rows are 16-byte aligned (576 bf16 values, or 656 bytes with the rope at byte 528), which the FP8
+    # strides (328 bf16 elements) do not show the compiler: say so, for 16-byte copies.
+    rrow = gl.multiple_of(blk * rope_sb + off2 * rope_st + rope_off, 8)
+    ptrs2 = rope_ptr + rrow[:, None] + c2[None, :]
+    async_copy.async_copy_global_to_shared(kpe_buf, ptrs2, mask=(start + n2 < kv_end)[:, None])
     async_copy.commit_group()
-
-
-# One thread asks L2 for `size` bytes (a multiple of 16) at an address, when its predicate is set.
-_PREFETCH_L2_ASM = gl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-                                "mov.b32 $0, 0; }")
-
-
-@gluon.jit
-def _prefetch_l2(ptr, nbytes, live, WARPS: gl.constexpr):
-    """Ask L2 for the `nbytes` (a multiple of 16) at ptr, if `live`: one bulk prefetch from the program's first
-    thread (WARPS: the warps running this code). A hint, so the range must lie inside the allocation."""
-    ONE: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one element a thread
-    lane = gl.arange(0, 32 * WARPS, layout=ONE)
-    args = [ptr + lane * 0, ((lane == 0) & live).to(gl.int32), nbytes + lane * 0]
-    gl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r,r", args, dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

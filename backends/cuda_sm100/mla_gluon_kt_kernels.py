@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _block_of, _copy_queries, _copy_rope, _copy_tile, _gdc_enter, _lse, _prefetch_l2, _stage_queries_f16,
-    _store_lse, _store_rows, _work_item, copy_layout,
+    _block_of, _copy_queries, _copy_tile, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item,
+    copy_layout,
 )
 
 R = 512  # latent width (DeepSeek's kv_lora_rank)
@@ -44,37 +44,24 @@ NUM_WARPS = 4  # one warpgroup
 # mla_decode.py, five 16-head shapes; bf16 dequantisation then).
 STAGES = gl.constexpr(2)
 # Shared memory a program takes at most (sm_90 compile: the E4M3 kernel's queries, ring, float16 tile and four P
-# buffers; the bf16 kernel takes 168192). With L2_TILES the E4M3 kernel keeps only the rope keys in its ring:
-# E4M3_L2_SMEM_BYTES, two programs an SM (228 KiB, 1 KiB reserved a program).
+# buffers; the bf16 kernel takes 168192).
 SMEM_BYTES = 174336
-E4M3_L2_SMEM_BYTES = 108800
 
 
 @gluon.jit
 def _plan_reads(items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM: gl.constexpr,
-                BN: gl.constexpr, PDL: gl.constexpr, prefetch=None):
+                BN: gl.constexpr, PDL: gl.constexpr):
     """The program's work item (_work_item's, less the sequence), its tile count, block-table row and first two
     tiles' cache blocks, then the PDL wait. They come from the step's plan, which the host wrote before the step's
     first kernel: read before the wait, their chain of dependent loads overlaps the previous kernel. The queries
-    and the cache are read after it; `prefetch` (cache pointer, block stride, bytes a block) asks L2 for the two
-    blocks before the wait (a hint: L2 is coherent with the previous kernel's cache write)."""
+    and the cache are read after it."""
     row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
     blk0 = _block_of(bt_row, kv_lo, kv_end, BS)
     blk1 = _block_of(bt_row, kv_lo + BN, kv_end, BS)
-    if prefetch is not None:
-        _prefetch_blocks(prefetch, blk0, kv_lo < kv_end, blk1, kv_lo + BN < kv_end)
     _gdc_enter(PDL)
     return row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1
-
-
-@gluon.jit
-def _prefetch_blocks(prefetch, blk_a, live_a, blk_b, live_b):
-    """L2 prefetches of two cache blocks (prefetch: cache pointer, block stride, bytes a block; 4 warps)."""
-    ptr, sb, nbytes = prefetch
-    _prefetch_l2(ptr + blk_a * sb, nbytes, live_a, 4)
-    _prefetch_l2(ptr + blk_b * sb, nbytes, live_b, 4)
 
 
 @gluon.jit
@@ -110,16 +97,18 @@ def _column_sums(l_keys, scale):
 
 
 @gluon.jit
-def _kt_buffers(Q_T: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
-                STAGES: gl.constexpr):
-    """A keys-as-M program's query and rope-ring buffers, in allocation order: latent queries [BM, R] in the MMAs'
-    16-bit type Q_T, rope queries [BM, P] (bf16) and the ring's rope keys [STAGES, BN, P] (bf16)."""
+def _kt_buffers(Q_T: gl.constexpr, K_T: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, R: gl.constexpr,
+                P: gl.constexpr, STAGES: gl.constexpr):
+    """A keys-as-M program's query and ring buffers, in allocation order: latent queries [BM, R] in the MMAs'
+    16-bit type Q_T, rope queries [BM, P] (bf16), the ring's rope keys [STAGES, BN, P] (bf16) and key tiles
+    [STAGES, BN, R] of K_T (bf16, or E4M3 bytes)."""
     q_smem = gl.allocate_shared_memory(Q_T, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], Q_T))
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P],
                                         gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16))
     kpe_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P],
                                         gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16))
-    return q_smem, qpe_smem, kpe_bufs
+    k_bufs = gl.allocate_shared_memory(K_T, [STAGES, BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], K_T))
+    return q_smem, qpe_smem, kpe_bufs, k_bufs
 
 
 @gluon.jit
@@ -153,9 +142,7 @@ def mla_attn_gluon_kt_kernel(
     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
         items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
 
-    q_smem, qpe_smem, kpe_bufs = _kt_buffers(gl.bfloat16, BM, BN, R, P, STAGES)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, R],
-                                      gl.NVMMASharedLayout.get_default_for([BN, R], gl.bfloat16))
+    q_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.bfloat16, gl.bfloat16, BM, BN, R, P, STAGES)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BM],
                                       gl.NVMMASharedLayout.get_default_for([BN, BM], gl.bfloat16))
 
@@ -228,29 +215,6 @@ def _widen_tile(k8, kh, DQ_L: gl.constexpr, R: gl.constexpr):
 
 
 @gluon.jit
-def _widen_rows(kh, lat_ptr, blk, start, kv_end, BS, lat_sb, lat_st, DQ_L: gl.constexpr, R: gl.constexpr,
-                BN: gl.constexpr):
-    """_widen_tile reading the key tile at `start` (cache block blk) from global memory (L2: see the kernel);
-    keys past kv_end are zeros."""
-    n = gl.arange(0, BN, layout=gl.SliceLayout(1, DQ_L))
-    rows = lat_ptr + (blk * lat_sb + (start % BS + n).to(gl.int64) * lat_st)[:, None]
-    live = (start + n < kv_end)[:, None]
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ_L))[None, :]
-    for g in gl.static_range(R // 128):
-        kh.slice(g * 128, 128, dim=1).store(gl.load(rows + (c + g * 128), mask=live, other=0.0).to(gl.float16))
-
-
-@gluon.jit
-def _issue_rope(t, blk, kpe_bufs, kv_lo, rope_ptr, kv_end, BS, rope_sb, rope_st, rope_off, PE_L: gl.constexpr,
-                P: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """cp.async tile t's rope keys (cache block blk) into ring slot t % STAGES: one commit group, empty past the
-    last tile so the group count stays fixed."""
-    _copy_rope(kpe_bufs.index(t % STAGES), rope_ptr, blk, kv_lo + t * BN, kv_end, BS, rope_sb, rope_st, rope_off,
-               PE_L, P, BN)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _scaled_probs(p_smem, p, sc):
     """Store P^T times the keys' scales of the four groups (times 2^8) as float16, one buffer a group."""
     s0, s1, s2, s3 = sc
@@ -268,47 +232,29 @@ def mla_attn_gluon_kt_e4m3_kernel(
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
     R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-    PDL: gl.constexpr = False, L2_TILES: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """mla_attn_gluon_kt_kernel for DeepSeek's FP8 cache: the E4M3 tile is widened to float16 once and its scales
-    are applied to scores and probabilities per 128-value group (see above).
-
-    Where the E4M3 bytes wait: by default in a cp.async ring of two tiles (shared memory for one program an SM, so
-    its widening, MMAs and softmax run one after another). L2_TILES: the widening reads them from global memory
-    instead, where a bulk L2 prefetch of the whole cache block (latent, scales, rope) put them two tiles ahead,
-    and only the rope keys come through the ring: E4M3_L2_SMEM_BYTES, two programs an SM, one's widening and softmax
-    under the other's MMAs. Compiled for sm_90 only so far, not yet run on a GPU (mla_launch: DEEPINFER_MLA_KT_L2)."""
+    are applied to scores and probabilities per 128-value group (see above)."""
     LAT_L: gl.constexpr = copy_layout("lat", 4, True)
     PE_L: gl.constexpr = copy_layout("pe", 4)
     DQ_L: gl.constexpr = copy_layout("dq", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
 
-    block_bytes = BS * lat_st  # a block's rows (E4M3 view: elements are bytes), inside its lat_sb
-    plan_args = (items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
-    if L2_TILES:
-        row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
-            *plan_args, (lat_ptr, lat_sb, block_bytes))
-    else:
-        row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(*plan_args)
-    q16_smem, qpe_smem, kpe_bufs = _kt_buffers(gl.float16, BM, BN, R, P, STAGES)
-    if not L2_TILES:  # the ring's E4M3 tiles
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, R],
-                                          gl.NVMMASharedLayout.get_default_for([BN, R], gl.float8e4nv))
+    row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
+        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
+
+    q16_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.float16, gl.float8e4nv, BM, BN, R, P, STAGES)
     kh_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
     p_smem = gl.allocate_shared_memory(gl.float16, [R // 128, BN, BM],
                                       gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float16))
 
-    # Tiles 0 and 1 (one commit group each), then the queries through registers while they fly.
-    rope_args = (kpe_bufs, kv_lo, rope_ptr, kv_end, BS, rope_sb, rope_st, rope_off)
+    # Key tiles 0 and 1 (one commit group each), then the queries through registers while the tiles fly.
+    ring = (k_bufs, kpe_bufs, kv_lo, (lat_ptr, rope_ptr), (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off))
     scale_args = (kv_end, BS, scl_sb, scl_st, scale_off)
-    if L2_TILES:
-        _issue_rope(0, blk0, *rope_args, PE_L, P, BN, STAGES)
-        _issue_rope(1, blk1, *rope_args, PE_L, P, BN, STAGES)
-    else:
-        ring = (k_bufs, kpe_bufs, kv_lo, (lat_ptr, rope_ptr), (kv_end, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off))
-        _issue_tile(0, blk0, *ring, LAT_L, PE_L, R, P, BN, STAGES)
-        _issue_tile(1, blk1, *ring, LAT_L, PE_L, R, P, BN, STAGES)
+    _issue_tile(0, blk0, *ring, LAT_L, PE_L, R, P, BN, STAGES)
+    _issue_tile(1, blk1, *ring, LAT_L, PE_L, R, P, BN, STAGES)
     # A tile's scales ride in registers, loaded with its copy (two tiles ahead: 2% faster than one, H200,
     # mla_decode.py 16 heads, the same registers and stack).
     sc = _tile_scales(scl_ptr, blk0, kv_lo, *scale_args, KEYS_L, BN)
@@ -325,22 +271,12 @@ def mla_attn_gluon_kt_e4m3_kernel(
     for t in range(0, n_tiles):
         buf = t % STAGES
         start = kv_lo + t * BN
-        if L2_TILES:
-            far = start + STAGES * BN
-            blk_far = _block_of(bt_row, far, kv_end, BS)
-            _prefetch_l2(lat_ptr + blk_far * lat_sb, block_bytes, far < kv_end, 4)
-            _widen_rows(kh_smem, lat_ptr, _block_of(bt_row, start, kv_end, BS), start, kv_end, BS, lat_sb, lat_st,
-                        DQ_L, R, BN)
-            async_copy.wait_group(STAGES - 1)  # this tile's rope keys landed; the next tile's may fly
-            fence_async_shared()  # the widened tile (and the copies) before the wgmma's reads ...
-            gl.thread_barrier()  # ... in every thread
-        else:
-            async_copy.wait_group(STAGES - 1)  # this tile's group landed; the next may fly
-            fence_async_shared()
-            gl.thread_barrier()
-            _widen_tile(k_bufs.index(buf), kh_smem, DQ_L, R)
-            fence_async_shared()
-            gl.thread_barrier()
+        async_copy.wait_group(STAGES - 1)  # this tile's group landed; the next may fly
+        fence_async_shared()
+        gl.thread_barrier()
+        _widen_tile(k_bufs.index(buf), kh_smem, DQ_L, R)
+        fence_async_shared()
+        gl.thread_barrier()
         s = warpgroup_mma(kpe_bufs.index(buf), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s0 = warpgroup_mma(kh_smem.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
                            use_acc=False, is_async=True)
@@ -357,14 +293,11 @@ def mla_attn_gluon_kt_e4m3_kernel(
         _scaled_probs(p_smem, p, sc)
         fence_async_shared()
         gl.thread_barrier()  # all of P is written; every warp is past this tile's score MMAs
-        # The slot's E4M3 bytes (widened) and rope keys (the score MMAs are done) are dead: refill it now, before
+        # The E4M3 bytes and rope keys are dead (widened; the score MMAs are done): refill the slot now, before
         # the output MMAs rather than after them.
-        if L2_TILES:
-            _issue_rope(t + STAGES, blk_far, *rope_args, PE_L, P, BN, STAGES)
-        else:
-            blk_far = _block_of(bt_row, start + STAGES * BN, kv_end, BS)
-            _issue_tile(t + STAGES, blk_far, *ring, LAT_L, PE_L, R, P, BN, STAGES)
-        sc, sc_n = sc_n, _tile_scales(scl_ptr, blk_far, start + STAGES * BN, *scale_args, KEYS_L, BN)
+        blk = _block_of(bt_row, start + STAGES * BN, kv_end, BS)
+        _issue_tile(t + STAGES, blk, *ring, LAT_L, PE_L, R, P, BN, STAGES)
+        sc, sc_n = sc_n, _tile_scales(scl_ptr, blk, start + STAGES * BN, *scale_args, KEYS_L, BN)
         acc0 = warpgroup_mma(kh_smem.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
                              is_async=True)
         acc1 = warpgroup_mma(kh_smem.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1),

@@ -203,25 +203,27 @@ def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool
     return rows <= 16 and wanted and gluon_gate.runs_on(device, "mla_gluon_kt_kernels")
 
 
+def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
+    """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (the widening in a producer
+    warpgroup) rather than the one-warpgroup kernel. Opt-in (DEEPINFER_MLA_KT_WS=1) until measured on the H200."""
+    return (os.environ.get("DEEPINFER_MLA_KT_WS", "0") == "1" and spec.is_fp8
+            and gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"))
+
+
 def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     """Run tiles of at most 16 rows on the keys-as-M Gluon kernel (the caller checked keys_as_m_usable)."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
-    G = gluon_gate.kernels("mla_gluon_kt_kernels")
-    args = _gluon_args(q_nope, q_pe, views, plan, items, tail, 1)
-    consts = dict(R=G.R, P=G.P, BM=G.BM, BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
-    if not spec.is_fp8:
-        G.mla_attn_gluon_kt_kernel[(items.shape[0],)](*args, **consts)
+    if keys_as_m_ws_usable(spec, q_nope.device):
+        W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
+        W.mla_attn_gluon_kt_e4m3_ws_kernel[(items.shape[0],)](
+            *_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG,
+            **launch_kwargs())
         return
-    G.mla_attn_gluon_kt_e4m3_kernel[(items.shape[0],)](*args, **consts, L2_TILES=e4m3_l2_tiles(views))
-
-
-def e4m3_l2_tiles(views) -> bool:
-    """Whether the E4M3 keys-as-M kernel reads its tiles from L2 (two programs an SM, mla_gluon_kt_kernels'
-    L2_TILES) rather than through its shared-memory ring. Opt-in (DEEPINFER_MLA_KT_L2=1) until it has been run and
-    measured on a GPU; it needs each block's rows inside its stride (its bulk L2 prefetch reads BS rows)."""
-    _, _, _, lat_sb, lat_st, _, _, _, _, _, _, bs = views  # attention._cache_views' order
-    return os.environ.get("DEEPINFER_MLA_KT_L2") == "1" and lat_sb >= bs * lat_st
+    G = gluon_gate.kernels("mla_gluon_kt_kernels")
+    kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
+    kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R, P=G.P, BM=G.BM,
+                              BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
 
 
 def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _copy_query_rows, _gdc_enter, _lse, _prefetch_l2, _store_lse, _store_rows, _work_item,
+    _copy_query_rows, _gdc_enter, _lse, _store_lse, _store_rows, _work_item,
 )
 
 
@@ -65,6 +65,9 @@ _HALF = gl.constexpr(256)
 # Copy layouts (one warpgroup, 16-byte vectors along a row): latent halves, and rope rows.
 CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+# One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, contiguous in the bf16 cache.
+_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
+                             f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 576 * 2}; mov.b32 $0, 0; }}")
 
 
 @gluon.jit
@@ -104,7 +107,10 @@ def _prefetch_block(cache, bt_row, start, kv_end):
     lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
     if start < kv_end:
         blk = gl.load(bt_row + start // BS).to(gl.int64)
-        _prefetch_l2(lat_ptr + blk * lat_sb + (start % BS) * lat_st, BN * (R + P) * 2, True, 4)
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
+        lane = gl.arange(0, 128, layout=ONE)
+        ptr = lat_ptr + blk * lat_sb + (start % BS) * lat_st + lane * 0
+        gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -38,13 +38,20 @@ def mla(fp8: bool):
     return compile_sm90(G.mla_attn_gluon_kernel, mla_args(fp8), consts, G.NUM_WARPS)
 
 
-def mla_keys_as_m(fp8: bool, l2_tiles: bool = False):
+def mla_keys_as_m(fp8: bool):
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
 
     args = {**mla_args(fp8), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
-    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, PDL=True, **(dict(L2_TILES=l2_tiles) if fp8 else {}))
+    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, PDL=True)
     kernel = K.mla_attn_gluon_kt_e4m3_kernel if fp8 else K.mla_attn_gluon_kt_kernel
     return compile_sm90(kernel, args, consts, K.NUM_WARPS)
+
+
+def mla_keys_as_m_ws():
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kt_ws_kernels as W
+
+    args = {**mla_args(True), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
+    return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True), W.NUM_WARPS, maxnreg=W.MAXNREG)
 
 
 def mla_seesaw():
@@ -77,9 +84,11 @@ def report(compiled) -> dict:
 
 def main() -> None:
     out = {f"mla-{fp8}": report(mla(fp8)) for fp8 in (False, True)}
-    for name, fp8, l2_tiles in (("False", False, False), ("True", True, False), ("l2", True, True)):
-        kt = mla_keys_as_m(fp8, l2_tiles)
-        out[f"mla-kt-{name}"] = {**report(kt), **resource_usage(kt)}
+    for fp8 in (False, True):
+        kt = mla_keys_as_m(fp8)
+        out[f"mla-kt-{fp8}"] = {**report(kt), **resource_usage(kt)}
+    ws = mla_keys_as_m_ws()
+    out["mla-kt-ws"] = {**report(ws), **resource_usage(ws)}
     seesaw = mla_seesaw()
     out["mla-seesaw"] = {**report(seesaw), **resource_usage(seesaw)}
     for consumers in (2, 3):

@@ -180,22 +180,22 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
 @pytest.mark.parametrize("heads,query_lens",
                          [(16, (1, 1, 1, 1, 1, 1)), (8, (1, 2, 1, 2, 2, 1)), (4, (1, 3, 4, 1, 2, 1))])
 @pytest.mark.parametrize("split", [None, 64, 128])
-@pytest.mark.parametrize("l2_tiles", ["0", "1"])
+@pytest.mark.parametrize("ws", [False, True])
 def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, heads, query_lens, split,
-                                                    l2_tiles):
-    """Tiles of at most 16 rows on the keys-as-M Gluon kernel (16 heads; 8 heads x 1-2 queries; 4 heads x 1-4
+                                                    ws):
+    """Tiles of at most 16 rows on the keys-as-M Gluon kernels (16 heads; 8 heads x 1-2 queries; 4 heads x 1-4
     queries, tiles part padding), against the reference and against mla_attn_kernel's 16-row tile on the same
-    inputs: ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items. FP8: the
-    tiles through the shared-memory ring and read from L2 (DEEPINFER_MLA_KT_L2)."""
+    inputs: ragged lengths, a tile's last keys past the sequence, causal queries, direct and split items. ws: an
+    FP8 cache on the warp-specialised kernel."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
-    if l2_tiles == "1" and kv_dtype != "fp8_e4m3":
-        pytest.skip("only the E4M3 kernel reads its tiles from L2")
     monkeypatch.setenv("DEEPINFER_MLA_KT", "1")
-    monkeypatch.setenv("DEEPINFER_MLA_KT_L2", l2_tiles)
+    monkeypatch.setenv("DEEPINFER_MLA_KT_WS", "1" if ws else "0")
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    if ws and not A.keys_as_m_ws_usable(spec, kern.device):
+        pytest.skip("the warp-specialised kernel takes FP8 caches only")
     # FP8: the Triton tile rounds the probabilities to bf16, this kernel rounds them times the keys' scales to
     # float16 (the widened tile is exact in both).
     gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, "launch_gluon_kt", "DEEPINFER_MLA_KT", kv_dtype,
@@ -205,13 +205,17 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("magnitude", [2.0**17, 2.0**-24])
-def test_e4m3_gluon_kernels_take_queries_outside_float16_range(kern, ref, gen, heads, magnitude):
-    """With an FP8 cache the Gluon kernels (keys-as-M at 16 heads, 64-row tiles at 128) multiply float16 copies of
-    the queries, each row scaled by a power of two: rows past float16's range (2^17 here) and rows below its
-    subnormals (2^-24) come out as the reference's. The scores are those of unscaled queries (the softmax scale
-    divided by the magnitude)."""
+@pytest.mark.parametrize("ws", [False, True])
+def test_e4m3_gluon_kernels_take_queries_outside_float16_range(kern, ref, gen, monkeypatch, heads, magnitude, ws):
+    """With an FP8 cache the Gluon kernels (keys-as-M at 16 heads, one warpgroup or warp-specialised (ws); 64-row
+    tiles at 128) multiply float16 copies of the queries, each row scaled by a power of two: rows past float16's
+    range (2^17 here) and rows below its subnormals (2^-24) come out as the reference's. The scores are those of
+    unscaled queries (the softmax scale divided by the magnitude)."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
+    if ws and heads > 16:
+        pytest.skip("the warp-specialised kernel takes tiles of at most 16 rows")
+    monkeypatch.setenv("DEEPINFER_MLA_KT_WS", "1" if ws else "0")
     spec = KVCacheSpec(1, 64, RANK, ROPE, "fp8_e4m3")
     if not (A.gluon_tile_usable(spec, torch.bfloat16, kern.device) and A.keys_as_m_usable(spec, 16, kern.device)):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")

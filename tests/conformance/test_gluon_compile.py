@@ -42,35 +42,46 @@ def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(compiled, f
     assert "griddepcontrol.wait" in case["ptx"]  # PDL: nothing is read before the previous kernel is done
 
 
-@pytest.mark.parametrize("variant", ["False", "True", "l2"])
-def test_keys_as_m_mla_kernel_compiles_for_sm90_without_spills(compiled, variant):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_keys_as_m_mla_kernel_compiles_for_sm90_without_spills(compiled, fp8):
     """Keys as the wgmma's M, 16 query rows as its N: 64 x 16 MMAs only (the score MMAs over 512 + 64 channels in
     steps of 16, the output MMA's 512 columns in 8 blocks over 64 keys), cp.async copies, the shared memory that
-    runs_on checks. The bf16 kernel ("False") has no stack; the E4M3 kernel ("True") reads its latent channels as
-    float16 (the rope's 4 score MMAs stay bf16) and takes 16 bytes of stack: four values ptxas keeps across the key
-    loop for the epilogue (sm_90 SASS: no local memory access in the loop). Its L2_TILES variant ("l2") keeps only
-    the rope keys in shared memory, small enough for two programs an SM, and prefetches blocks into L2; 40 bytes of
-    stack (sm_90 SASS: three loop-invariant values reloaded a tile)."""
+    runs_on checks. The bf16 kernel has no stack; the E4M3 kernel reads its latent channels as float16 (the
+    rope's 4 score MMAs stay bf16) and takes 16 bytes of stack: four values ptxas keeps across the key loop for
+    the epilogue (sm_90 SASS: no local memory access in the loop)."""
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
 
-    case = compiled[f"mla-kt-{variant}"]
+    case = compiled[f"mla-kt-{fp8}"]
     ptx = case["ptx"]
     mmas = (512 + 64) // 16 + 8 * 64 // 16
-    if variant == "False":
-        assert case["stack"] == 0 and case["shared"] < K.SMEM_BYTES
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == mmas
-    else:
+    if fp8:
+        assert case["stack"] <= 16 and case["shared"] == K.SMEM_BYTES
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 64 // 16
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == mmas - 64 // 16
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == 64 * 512 // 128 // 2  # a thread's share of a tile, unrolled
-    if variant == "True":
-        assert case["stack"] <= 16 and case["shared"] == K.SMEM_BYTES
-    if variant == "l2":
-        assert case["stack"] <= 40 and case["shared"] == K.E4M3_L2_SMEM_BYTES
-        assert 2 * (K.E4M3_L2_SMEM_BYTES + 1024) <= 228 * 1024  # two programs an SM
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 3  # blocks 0 and 1 before the PDL wait, then a tile's
+    else:
+        assert case["stack"] == 0 and case["shared"] < K.SMEM_BYTES
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == mmas
     assert ptx.count("wgmma.mma_async") == ptx.count("m64n16k16")
     assert "cp.async.cg.shared.global" in ptx and "griddepcontrol.wait" in ptx
+
+
+def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(compiled):
+    """The E4M3 keys-as-M kernel with its loads and widening in a producer warpgroup: the consumer's MMAs as the
+    one-warpgroup kernel's, the producer's 16-byte global loads and conversions (no cp.async), the two
+    partitions meeting at mbarriers and synchronising each on its own named barrier, no stack."""
+    from deepinfer.backends.cuda_sm100 import mla_gluon_kt_ws_kernels as W
+
+    case = compiled["mla-kt-ws"]
+    ptx = case["ptx"]
+    assert case["stack"] == 0 and case["shared"] == W.SMEM_BYTES
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 64 // 16
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == 512 // 16 + 8 * 64 // 16
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 64 * 512 // 128 // 2
+    assert "cp.async" not in ptx and "ld.global.v4" in ptx
+    assert ptx.count("mbarrier.try_wait") == 2 and ptx.count("mbarrier.arrive") == 2
+    assert "bar.sync \t0, 128" in ptx and "bar.sync \t2, 128" in ptx  # each partition's own barrier
+    assert "griddepcontrol.wait" in ptx
 
 
 def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled):

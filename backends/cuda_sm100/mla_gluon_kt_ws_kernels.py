@@ -1,0 +1,217 @@
+"""Keys-as-M MLA decode over DeepSeek's FP8 cache with the widening in its own warps (warp-specialised).
+
+Why: mla_gluon_kt_kernels.mla_attn_gluon_kt_e4m3_kernel takes 174336 B of shared memory, so one program an SM,
+and that program runs a tile's steps one after another: wait for the copy, widen E4M3 to float16, score MMAs,
+softmax, output MMAs. At 128 x 4096 keys x 16 heads a tile takes ~3.2 us where its 41 KiB need ~1.2 us at an SM's
+share of HBM (0.40 of HBM read, H200; benchmarks/RESULTS.md, issue 8). Reading the E4M3 rows from L2 into the
+widening with two programs an SM lost 3-10% (twenty-eighth session). Here the steps run at the same time:
+
+- a producer warpgroup loads each tile's E4M3 rows, rope keys and scales from global memory into registers, one
+  tile ahead of what it stores, widens the rows to float16 and stores all three into a two-slot ring in shared
+  memory, then signals the slot's `full` barrier;
+- the consumer warpgroup (the default partition) runs the MMAs and the softmax of mla_attn_gluon_kt_e4m3_kernel
+  on the ring's slot and signals its `empty` barrier when the output MMAs are done.
+
+So a tile's loads and widening run under the previous tile's MMAs and softmax. Shared memory: queries 18 KiB,
+ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, two warpgroups.
+Same contract and arguments as the keys-as-M kernels (mla_launch.launch_gluon_kt), less the shape constexprs. GPU only (Gluon).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
+    _block_of, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item, copy_layout,
+)
+from deepinfer.backends.cuda_sm100.mla_gluon_kt_kernels import (
+    _P_SHIFT, _column_softmax, _column_state, _column_sums, _scaled_probs,
+)
+
+# Constexprs of the module, not arguments: a worker partition takes runtime values only.
+R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank)
+P = gl.constexpr(64)  # rope width
+BM = gl.constexpr(16)  # query rows a program: the wgmma N
+BN = gl.constexpr(64)  # keys a tile: the wgmma M of one warpgroup
+NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer warpgroup is a worker
+STAGES = gl.constexpr(2)  # ring slots: the producer fills one while the consumer reads the other
+G = gl.constexpr(R // 128)  # a token's scale groups
+# Registers a thread: the producer holds two tiles' E4M3 rows (128) and rope keys (32) at once; the consumer
+# four 128 x 16 float32 outputs and five 64 x 16 score tiles. maxnreg for the launch: 256 threads x 248 fit the
+# 64 Ki register file.
+PRODUCER_REGS = gl.constexpr(232)
+MAXNREG = 248
+# Shared memory a program takes (sm_90 compile).
+SMEM_BYTES = 176420
+
+
+@gluon.jit
+def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st,
+                scale_off, rope_off, DQ_L: gl.constexpr, PE_L: gl.constexpr, SC_L: gl.constexpr, BN: gl.constexpr):
+    """Key tile [start, start + BN) of cache block blk into registers: its E4M3 rows as four [BN, 128] pieces,
+    rope keys [BN, P] (bf16) and scales (G vectors [BN]); keys past kv_end are zeros (so a masked key's value times its zero
+    probability stays 0, where the cache's stale bytes could be NaN)."""
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, DQ_L))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ_L))
+    # Rows are 16-byte aligned (656 bytes, the rope at byte 528, the scales at 512), which runtime strides do
+    # not show the compiler: say so, for 16-byte loads.
+    row = gl.multiple_of(blk * lat_sb + (start % BS + n).to(gl.int64) * lat_st, 16)
+    live = (start + n < kv_end)[:, None]
+    ptrs = lat_ptr + row[:, None] + c[None, :]
+    k0 = gl.load(ptrs, mask=live, other=0.0)
+    k1 = gl.load(ptrs + 128, mask=live, other=0.0)
+    k2 = gl.load(ptrs + 256, mask=live, other=0.0)
+    k3 = gl.load(ptrs + 384, mask=live, other=0.0)
+    n2 = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
+    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
+    rrow = gl.multiple_of(blk * rope_sb + (start % BS + n2).to(gl.int64) * rope_st + rope_off, 8)
+    pe = gl.load(rope_ptr + rrow[:, None] + c2[None, :], mask=(start + n2 < kv_end)[:, None], other=0.0)
+    n3 = gl.arange(0, BN, layout=SC_L)
+    srow = scl_ptr + blk * scl_sb + (start % BS + n3).to(gl.int64) * scl_st + scale_off
+    live3 = start + n3 < kv_end
+    sc = (gl.load(srow, mask=live3, other=0.0), gl.load(srow + 1, mask=live3, other=0.0),
+          gl.load(srow + 2, mask=live3, other=0.0), gl.load(srow + 3, mask=live3, other=0.0))
+    return (k0, k1, k2, k3), pe, sc
+
+
+@gluon.jit
+def _producer(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+              rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
+    """Fill ring slot t % STAGES with tile t: wait for the slot to be empty, widen the E4M3 rows to float16 and
+    store them, the rope keys and the scales (one [BN] row a group), then signal `full`. Tile
+    t + 1's loads are issued before the wait, so they fly while the consumer works."""
+    DQ_L: gl.constexpr = copy_layout("dq", 4)
+    PE_L: gl.constexpr = copy_layout("pe", 4)
+    SC_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    views = (lat_ptr, scl_ptr, rope_ptr)
+    strides = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
+    blk = _block_of(bt_row, kv_lo, kv_end, BS)
+    for t in range(0, n_tiles):
+        s = t % STAGES
+        start = kv_lo + t * BN
+        blk_n = _block_of(bt_row, start + BN, kv_end, BS)
+        # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        k, pe, sc = _tile_loads(*views, blk, start, kv_end, *strides, DQ_L, PE_L, SC_L, BN)
+        kh = kh_ring.index(s)
+        for g in gl.static_range(G):
+            kh.slice(g * 128, 128, dim=1).store(k[g].to(gl.float16))
+            scl_ring.index(s * G + g).store(sc[g])
+        kpe_ring.index(s).store(pe)
+        fence_async_shared()  # generic-proxy stores, read by the consumer's wgmmas (async proxy) ...
+        gl.thread_barrier()  # ... from every producer thread, before the one arrive below
+        mbarrier.arrive(full.index(s), count=1)
+        blk = blk_n
+
+
+@gluon.jit
+def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
+              q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
+              row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale):
+    """mla_attn_gluon_kt_e4m3_kernel's loop on the producer's ring: scores with the scales on them, the column
+    softmax, scaled probabilities, outputs; then the output rows and log-sum-exp."""
+    PE_L: gl.constexpr = copy_layout("pe", 4)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
+    q_fac = _stage_queries_f16(q16_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen,
+                               slot, PE_L, gl.SliceLayout(0, S_L), BM, R, P, 4)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's query stores before the first wgmma reads them
+
+    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
+    acc0 = gl.zeros([128, BM], gl.float32, layout=S_L)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for t in range(0, n_tiles):
+        s = t % STAGES
+        mbarrier.wait(full.index(s), (t // STAGES) & 1)
+        kh = kh_ring.index(s)
+        sp = warpgroup_mma(kpe_ring.index(s), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s0 = warpgroup_mma(kh.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s1 = warpgroup_mma(kh.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s2 = warpgroup_mma(kh.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s3 = warpgroup_mma(kh.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        sc = (scl_ring.index(s * G).load(KEYS_L), scl_ring.index(s * G + 1).load(KEYS_L),
+              scl_ring.index(s * G + 2).load(KEYS_L), scl_ring.index(s * G + 3).load(KEYS_L))
+        sp, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(sp, s0, s1, s2, s3))
+        c0, c1, c2, c3 = sc
+        sv = (sp + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
+        p, alpha, m_i, l_keys = _column_softmax(sv, kv_lo + t * BN + kn, pos, kv_end, qk_scale, m_i, l_keys)
+        _scaled_probs(p_smem, p, sc)
+        fence_async_shared()
+        gl.thread_barrier()  # all of P is written
+        acc0 = warpgroup_mma(kh.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
+                             is_async=True)
+        acc1 = warpgroup_mma(kh.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1), acc1 * alpha[None, :],
+                             is_async=True)
+        acc2 = warpgroup_mma(kh.slice(256, 128, dim=1).permute((1, 0)), p_smem.index(2), acc2 * alpha[None, :],
+                             is_async=True)
+        acc3 = warpgroup_mma(kh.slice(384, 128, dim=1).permute((1, 0)), p_smem.index(3), acc3 * alpha[None, :],
+                             is_async=True)
+        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+        gl.thread_barrier()  # every warp is done with P and the slot before P is rewritten and the slot released
+        mbarrier.arrive(empty.index(s), count=1)
+
+    l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
+    inv_l = inv_l[None, :]
+    out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
+    co = gl.arange(0, 128, layout=KEYS_L)
+    _store_rows(acc0 * inv_l, co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc1 * inv_l, co + 128, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc2 * inv_l, co + 256, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc3 * inv_l, co + 384, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_lse(_lse(m_i, l_i), rs, out_args, H, tok0, qlen, slot)
+
+
+# Integers handed to the producer stay runtime values: one the JIT specialised to a constant (a block-table stride
+# of 1) could not be passed to a worker partition. _tile_loads states the rows' alignment instead.
+@gluon.jit(do_not_specialize=["lat_sb", "lat_st", "scl_sb", "scl_st", "rope_sb", "rope_st", "scale_off", "rope_off",
+                              "BS", "bt_stride"])
+def mla_attn_gluon_kt_e4m3_ws_kernel(
+    q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
+    lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
+    bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
+    out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
+    H, qk_scale, row_tiles,
+    PDL: gl.constexpr = False,
+):
+    """mla_attn_gluon_kt_e4m3_kernel (one work item x at most 16 query rows of an FP8 cache) with the loads and
+    widening in a producer warpgroup (see the module docstring)."""
+    row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
+    n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
+    bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
+    _gdc_enter(PDL)  # the plan is settled before the step; queries and cache are read after the wait
+
+    q16_smem = gl.allocate_shared_memory(gl.float16, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], gl.float16))
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P],
+                                        gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16))
+    kh_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BN, R],
+                                       gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+    kpe_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, P],
+                                        gl.NVMMASharedLayout.get_default_for([BN, P], gl.bfloat16))
+    # a slot's group's scales, [BN] (index() drops the ring dimension)
+    scl_ring = gl.allocate_shared_memory(gl.float32, [STAGES * G, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_smem = gl.allocate_shared_memory(gl.float16, [G, BN, BM], gl.NVMMASharedLayout.get_default_for([BN, BM],
+                                                                                                      gl.float16))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)  # the producer's one arrive
+        mbarrier.init(empty.index(i), count=1)  # the consumer's
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
+                     q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
+                     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale)),
+        (_producer, (kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb,
+                     scl_st, rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles)),
+    ], [4], [PRODUCER_REGS])
