@@ -6,14 +6,14 @@ softmax, output MMAs. At 128 x 4096 keys x 16 heads a tile takes ~3.2 us where i
 share of HBM (0.40 of HBM read, H200; benchmarks/RESULTS.md, issue 8). Reading the E4M3 rows from L2 into the
 widening with two programs an SM lost 3-10% (twenty-eighth session). Here the steps run at the same time:
 
-- a producer warpgroup loads each tile's E4M3 rows, rope keys and scales from global memory into registers, one
-  tile ahead of what it stores, widens the rows to float16 and stores all three into a two-slot ring in shared
-  memory, then signals the slot's `full` barrier;
+- two producer warpgroups, one a ring slot, each load a tile's E4M3 rows, rope keys and scales from global
+  memory into registers, wait for their slot to be empty, widen the rows to float16 and store all three into the
+  two-slot ring in shared memory, then signal the slot's `full` barrier;
 - the consumer warpgroup (the default partition) runs the MMAs and the softmax of mla_attn_gluon_kt_e4m3_kernel
   on the ring's slot and signals its `empty` barrier when the output MMAs are done.
 
 So a tile's loads and widening run under the previous tile's MMAs and softmax. Shared memory: queries 18 KiB,
-ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, two warpgroups.
+ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, three warpgroups.
 Same contract and arguments as the keys-as-M kernels (mla_launch.launch_gluon_kt), less the shape constexprs. GPU only (Gluon).
 """
 
@@ -37,16 +37,16 @@ R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank)
 P = gl.constexpr(64)  # rope width
 BM = gl.constexpr(16)  # query rows a program: the wgmma N
 BN = gl.constexpr(64)  # keys a tile: the wgmma M of one warpgroup
-NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer warpgroup is a worker
+NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer warpgroups are workers
 STAGES = gl.constexpr(2)  # ring slots: the producer fills one while the consumer reads the other
 G = gl.constexpr(R // 128)  # a token's scale groups
-# Registers a thread: the producer holds two tiles' E4M3 rows (128) and rope keys (32) at once; the consumer
-# four 128 x 16 float32 outputs and five 64 x 16 score tiles. maxnreg for the launch: 256 threads x 248 fit the
-# 64 Ki register file.
-PRODUCER_REGS = gl.constexpr(232)
-MAXNREG = 248
+# Registers a thread: a producer holds a tile's E4M3 rows (64), rope keys (16) and scales; the consumer four
+# 128 x 16 float32 outputs and five 64 x 16 score tiles. maxnreg for the launch: 384 threads x 168 fit the 64 Ki
+# register file, and the producers' release lets the consumer grow.
+PRODUCER_REGS = gl.constexpr(128)
+MAXNREG = 168
 # Shared memory a program takes (sm_90 compile).
-SMEM_BYTES = 176420
+SMEM_BYTES = 176424
 
 
 @gluon.jit
@@ -79,33 +79,46 @@ def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_
 
 
 @gluon.jit
-def _producer(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-              rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
-    """Fill ring slot t % STAGES with tile t: wait for the slot to be empty, widen the E4M3 rows to float16 and
-    store them, the rope keys and the scales (one [BN] row a group), then signal `full`. Tile
-    t + 1's loads are issued before the wait, so they fly while the consumer works."""
+def _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, SLOT: gl.constexpr):
+    """Fill ring slot SLOT with tiles SLOT, SLOT + STAGES, ...: load a tile into registers, wait for the slot to be
+    empty, widen the E4M3 rows to float16 and store them, the rope keys and the scales (one [BN] row a group),
+    then signal `full`. Each slot has its own producer warpgroup, so two tiles' loads are in flight at once, and
+    a tile's loads are issued before the wait for its slot (one producer for both slots, its loads after the
+    wait: 0.250 against the one-warpgroup kernel's 0.204 ms at 128 x 4096 x 16, H200)."""
     DQ_L: gl.constexpr = copy_layout("dq", 4)
     PE_L: gl.constexpr = copy_layout("pe", 4)
     SC_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     views = (lat_ptr, scl_ptr, rope_ptr)
     strides = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
-    blk = _block_of(bt_row, kv_lo, kv_end, BS)
-    for t in range(0, n_tiles):
-        s = t % STAGES
+    for t in range(SLOT, n_tiles, STAGES):
         start = kv_lo + t * BN
-        blk_n = _block_of(bt_row, start + BN, kv_end, BS)
+        k, pe, sc = _tile_loads(*views, _block_of(bt_row, start, kv_end, BS), start, kv_end, *strides, DQ_L, PE_L,
+                                SC_L, BN)
         # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        k, pe, sc = _tile_loads(*views, blk, start, kv_end, *strides, DQ_L, PE_L, SC_L, BN)
-        kh = kh_ring.index(s)
+        mbarrier.wait(empty.index(SLOT), ((t // STAGES) & 1) ^ 1)
+        kh = kh_ring.index(SLOT)
         for g in gl.static_range(G):
             kh.slice(g * 128, 128, dim=1).store(k[g].to(gl.float16))
-            scl_ring.index(s * G + g).store(sc[g])
-        kpe_ring.index(s).store(pe)
+            scl_ring.index(SLOT * G + g).store(sc[g])
+        kpe_ring.index(SLOT).store(pe)
         fence_async_shared()  # generic-proxy stores, read by the consumer's wgmmas (async proxy) ...
-        gl.thread_barrier()  # ... from every producer thread, before the one arrive below
-        mbarrier.arrive(full.index(s), count=1)
-        blk = blk_n
+        gl.thread_barrier()  # ... from every thread of this warpgroup, before its one arrive below
+        mbarrier.arrive(full.index(SLOT), count=1)
+
+
+@gluon.jit
+def _producer0(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+               rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
+    _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 0)
+
+
+@gluon.jit
+def _producer1(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+               rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
+    _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
+             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 1)
 
 
 @gluon.jit
@@ -185,7 +198,7 @@ def mla_attn_gluon_kt_e4m3_ws_kernel(
     PDL: gl.constexpr = False,
 ):
     """mla_attn_gluon_kt_e4m3_kernel (one work item x at most 16 query rows of an FP8 cache) with the loads and
-    widening in a producer warpgroup (see the module docstring)."""
+    widening in producer warpgroups (see the module docstring)."""
     row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
@@ -208,10 +221,12 @@ def mla_attn_gluon_kt_e4m3_ws_kernel(
         mbarrier.init(full.index(i), count=1)  # the producer's one arrive
         mbarrier.init(empty.index(i), count=1)  # the consumer's
     fence_async_shared()
+    producer_args = (kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb,
+                     scl_st, rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles)
     gl.warp_specialize([
         (_consumer, (q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
                      q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
                      row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale)),
-        (_producer, (kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb,
-                     scl_st, rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles)),
-    ], [4], [PRODUCER_REGS])
+        (_producer0, producer_args),
+        (_producer1, producer_args),
+    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
