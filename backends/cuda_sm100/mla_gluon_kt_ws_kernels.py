@@ -10,8 +10,7 @@ widening with two programs an SM lost 3-10% (twenty-eighth session). Here the st
   memory into registers, wait for their slot to be empty, widen the rows to float16 and store all three into the
   two-slot ring in shared memory, then signal the slot's `full` barrier;
 - the consumer warpgroup (the default partition) runs the MMAs and the softmax of mla_attn_gluon_kt_e4m3_kernel
-  on the ring's slot and signals its `empty` barrier when the output MMAs are done; it starts the next tile's
-  score MMAs before this tile's softmax, so the tensor cores work while the softmax runs.
+  on the ring's slot and signals its `empty` barrier when the output MMAs are done.
 
 So a tile's loads and widening run under the previous tile's MMAs and softmax. Shared memory: queries 18 KiB,
 ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, three warpgroups.
@@ -123,21 +122,6 @@ def _producer1(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_
 
 
 @gluon.jit
-def _score_mmas(kh, kpe, q16_smem, qpe_smem, s_zero):
-    """Start a slot's score MMAs: the rope part and the four 128-channel groups' (each to meet its scales)."""
-    sp = warpgroup_mma(kpe, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s0 = warpgroup_mma(kh.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
-                       use_acc=False, is_async=True)
-    s1 = warpgroup_mma(kh.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
-                       use_acc=False, is_async=True)
-    s2 = warpgroup_mma(kh.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
-                       use_acc=False, is_async=True)
-    s3 = warpgroup_mma(kh.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
-                       use_acc=False, is_async=True)
-    return sp, s0, s1, s2, s3
-
-
-@gluon.jit
 def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
               q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
               row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale):
@@ -156,25 +140,28 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    # Tile t + 1's score MMAs are issued before tile t's softmax, so the tensor cores run them while the softmax
-    # runs; past the last tile they read a slot no producer writes any more and their scores are dropped.
-    mbarrier.wait(full.index(0), 0, pred=n_tiles > 0)
-    sp, s0, s1, s2, s3 = _score_mmas(kh_ring.index(0), kpe_ring.index(0), q16_smem, qpe_smem, s_zero)
     for t in range(0, n_tiles):
         s = t % STAGES
+        mbarrier.wait(full.index(s), (t // STAGES) & 1)
+        kh = kh_ring.index(s)
+        sp = warpgroup_mma(kpe_ring.index(s), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s0 = warpgroup_mma(kh.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s1 = warpgroup_mma(kh.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s2 = warpgroup_mma(kh.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        s3 = warpgroup_mma(kh.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        sc = (scl_ring.index(s * G).load(KEYS_L), scl_ring.index(s * G + 1).load(KEYS_L),
+              scl_ring.index(s * G + 2).load(KEYS_L), scl_ring.index(s * G + 3).load(KEYS_L))
         sp, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(sp, s0, s1, s2, s3))
-        c0, c1, c2, c3 = (scl_ring.index(s * G).load(KEYS_L), scl_ring.index(s * G + 1).load(KEYS_L),
-                          scl_ring.index(s * G + 2).load(KEYS_L), scl_ring.index(s * G + 3).load(KEYS_L))
+        c0, c1, c2, c3 = sc
         sv = (sp + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
-        nxt = t + 1
-        mbarrier.wait(full.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < n_tiles)
-        sp, s0, s1, s2, s3 = _score_mmas(kh_ring.index(nxt % STAGES), kpe_ring.index(nxt % STAGES), q16_smem,
-                                         qpe_smem, s_zero)
         p, alpha, m_i, l_keys = _column_softmax(sv, kv_lo + t * BN + kn, pos, kv_end, qk_scale, m_i, l_keys)
-        _scaled_probs(p_smem, p, (c0, c1, c2, c3))
+        _scaled_probs(p_smem, p, sc)
         fence_async_shared()
         gl.thread_barrier()  # all of P is written
-        kh = kh_ring.index(s)
         acc0 = warpgroup_mma(kh.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
                              is_async=True)
         acc1 = warpgroup_mma(kh.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1), acc1 * alpha[None, :],
@@ -186,7 +173,6 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
         gl.thread_barrier()  # every warp is done with P and the slot before P is rewritten and the slot released
         mbarrier.arrive(empty.index(s), count=1)
-    warpgroup_mma_wait(num_outstanding=0, deps=(sp, s0, s1, s2, s3))  # the dropped score MMAs
 
     l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
     inv_l = inv_l[None, :]
