@@ -204,9 +204,12 @@ def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool
 
 
 def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
-    """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (the widening in a producer
-    warpgroup) rather than the one-warpgroup kernel. Opt-in (DEEPINFER_MLA_KT_WS=1) until measured on the H200."""
-    return (os.environ.get("DEEPINFER_MLA_KT_WS", "0") == "1" and spec.is_fp8
+    """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (loads and widening in two producer
+    warpgroups) rather than the one-warpgroup kernel; DEEPINFER_MLA_KT_WS=0 keeps the latter (A/B runs). H200
+    (2026-12-02), mla_decode.py 16 heads, two rounds: 32 x 65536 keys 0.658-0.659 vs 0.723-0.725 ms, 128 x 4096,
+    64 x 4096, 1 x 16384 and 1 x 1024 within 0.5% either way; e2e V2-Lite FP8 weights and cache batch 32 at 1k
+    4956.5 vs 4928.2 tok/s, batch 1 622.7 vs 620.1."""
+    return (os.environ.get("DEEPINFER_MLA_KT_WS", "1") != "0" and spec.is_fp8
             and gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"))
 
 
