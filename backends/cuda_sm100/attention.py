@@ -115,7 +115,7 @@ def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int =
     """Keys per split: a power of two giving about one wave of programs over the splittable sequences.
 
     `rows` is an item's query rows (heads x queries; 0 = unknown). Items of at most 32 rows are one
-    one-warpgroup program: about two items per SM. (The keys-as-M kernel's shared memory takes one program an SM,
+    one-warpgroup program: about two items per SM. (The keys-as-M kernels' shared memory takes one program an SM,
     so that is two waves; one wave measured 1% slower, H200, e2e V2-Lite FP8 batch 32 at 1k, 2026-12-01.)
     Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8 warps, ~225 KiB of shared memory):
     about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items
