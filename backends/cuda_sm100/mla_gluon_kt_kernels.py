@@ -226,6 +226,36 @@ def _scaled_probs(p_smem, p, sc):
 
 
 @gluon.jit
+def _e4m3_score_mmas(kh, kpe, q16_smem, qpe_smem, s_zero):
+    """Start a float16 key tile's score MMAs (not waited on): the rope part and each 128-channel group's, which
+    meet their scales once done. Returns (rope, group 0..3) score tiles [BN, BM]."""
+    sp = warpgroup_mma(kpe, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s0 = warpgroup_mma(kh.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    s1 = warpgroup_mma(kh.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    s2 = warpgroup_mma(kh.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    s3 = warpgroup_mma(kh.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    return sp, s0, s1, s2, s3
+
+
+@gluon.jit
+def _e4m3_output_mmas(kh, p_smem, acc0, acc1, acc2, acc3, alpha):
+    """Start the output MMAs (not waited on): O_g^T = acc_g * alpha + K_g^T (scaled P^T of group g)."""
+    acc0 = warpgroup_mma(kh.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
+                         is_async=True)
+    acc1 = warpgroup_mma(kh.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1), acc1 * alpha[None, :],
+                         is_async=True)
+    acc2 = warpgroup_mma(kh.slice(256, 128, dim=1).permute((1, 0)), p_smem.index(2), acc2 * alpha[None, :],
+                         is_async=True)
+    acc3 = warpgroup_mma(kh.slice(384, 128, dim=1).permute((1, 0)), p_smem.index(3), acc3 * alpha[None, :],
+                         is_async=True)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def mla_attn_gluon_kt_e4m3_kernel(
     q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
     lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
@@ -278,15 +308,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
         _widen_tile(k_bufs.index(buf), kh_smem, DQ_L, R)
         fence_async_shared()
         gl.thread_barrier()
-        s = warpgroup_mma(kpe_bufs.index(buf), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s0 = warpgroup_mma(kh_smem.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s1 = warpgroup_mma(kh_smem.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s2 = warpgroup_mma(kh_smem.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s3 = warpgroup_mma(kh_smem.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
+        s, s0, s1, s2, s3 = _e4m3_score_mmas(kh_smem, kpe_bufs.index(buf), q16_smem, qpe_smem, s_zero)
         s, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s, s0, s1, s2, s3))
         c0, c1, c2, c3 = sc
         s = (s + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
@@ -299,14 +321,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
         blk = _block_of(bt_row, start + STAGES * BN, kv_end, BS)
         _issue_tile(t + STAGES, blk, *ring, LAT_L, PE_L, R, P, BN, STAGES)
         sc, sc_n = sc_n, _tile_scales(scl_ptr, blk, start + STAGES * BN, *scale_args, KEYS_L, BN)
-        acc0 = warpgroup_mma(kh_smem.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
-                             is_async=True)
-        acc1 = warpgroup_mma(kh_smem.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1),
-                             acc1 * alpha[None, :], is_async=True)
-        acc2 = warpgroup_mma(kh_smem.slice(256, 128, dim=1).permute((1, 0)), p_smem.index(2),
-                             acc2 * alpha[None, :], is_async=True)
-        acc3 = warpgroup_mma(kh_smem.slice(384, 128, dim=1).permute((1, 0)), p_smem.index(3),
-                             acc3 * alpha[None, :], is_async=True)
+        acc0, acc1, acc2, acc3 = _e4m3_output_mmas(kh_smem, p_smem, acc0, acc1, acc2, acc3, alpha)
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
         gl.thread_barrier()  # every warp is done with P and the float16 tile before they are rewritten
     async_copy.wait_group(0)

@@ -4,7 +4,7 @@ Why: mla_gluon_kt_kernels.mla_attn_gluon_kt_e4m3_kernel takes 174336 B of shared
 and that program runs a tile's steps one after another: wait for the copy, widen E4M3 to float16, score MMAs,
 softmax, output MMAs. At 128 x 4096 keys x 16 heads a tile takes ~3.2 us where its 41 KiB need ~1.2 us at an SM's
 share of HBM (0.40 of HBM read, H200; benchmarks/RESULTS.md, issue 8). Reading the E4M3 rows from L2 into the
-widening with two programs an SM lost 3-10% (twenty-eighth session). Here the steps run at the same time:
+widening with two programs an SM lost 3-10% (RESULTS.md, twenty-eighth session). Here the steps overlap:
 
 - two producer warpgroups, one a ring slot, each load a tile's E4M3 rows, rope keys and scales from global
   memory into registers, wait for their slot to be empty, widen the rows to float16 and store all three into the
@@ -14,7 +14,8 @@ widening with two programs an SM lost 3-10% (twenty-eighth session). Here the st
 
 So a tile's loads and widening run under the previous tile's MMAs and softmax. Shared memory: queries 18 KiB,
 ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, three warpgroups.
-Same contract and arguments as the keys-as-M kernels (mla_launch.launch_gluon_kt), less the shape constexprs. GPU only (Gluon).
+Same contract and arguments as the keys-as-M kernels (mla_launch.launch_gluon_kt), less the shape constexprs.
+GPU only (Gluon).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, warpgroup_mma_wait,
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
     _block_of, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item, copy_layout,
 )
 from deepinfer.backends.cuda_sm100.mla_gluon_kt_kernels import (
-    _P_SHIFT, _column_softmax, _column_state, _column_sums, _scaled_probs,
+    _P_SHIFT, _column_softmax, _column_state, _column_sums, _e4m3_output_mmas, _e4m3_score_mmas, _scaled_probs,
 )
 
 # Constexprs of the module, not arguments: a worker partition takes runtime values only.
@@ -38,7 +39,7 @@ P = gl.constexpr(64)  # rope width
 BM = gl.constexpr(16)  # query rows a program: the wgmma N
 BN = gl.constexpr(64)  # keys a tile: the wgmma M of one warpgroup
 NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer warpgroups are workers
-STAGES = gl.constexpr(2)  # ring slots: the producer fills one while the consumer reads the other
+STAGES = gl.constexpr(2)  # ring slots: a producer fills one while the consumer reads the other
 G = gl.constexpr(R // 128)  # a token's scale groups
 # Registers a thread: a producer holds a tile's E4M3 rows (64), rope keys (16) and scales; the consumer four
 # 128 x 16 float32 outputs and five 64 x 16 score tiles. maxnreg for the launch: 384 threads x 168 fit the 64 Ki
@@ -53,8 +54,8 @@ SMEM_BYTES = 176424
 def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st,
                 scale_off, rope_off, DQ_L: gl.constexpr, PE_L: gl.constexpr, SC_L: gl.constexpr, BN: gl.constexpr):
     """Key tile [start, start + BN) of cache block blk into registers: its E4M3 rows as four [BN, 128] pieces,
-    rope keys [BN, P] (bf16) and scales (G vectors [BN]); keys past kv_end are zeros (so a masked key's value times its zero
-    probability stays 0, where the cache's stale bytes could be NaN)."""
+    rope keys [BN, P] (bf16) and scales (G vectors [BN]); keys past kv_end are zeros (so a masked key's value times
+    its zero probability stays 0, where the cache's stale bytes could be NaN)."""
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, DQ_L))
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ_L))
     # Rows are 16-byte aligned (656 bytes, the rope at byte 528, the scales at 512), which runtime strides do
@@ -107,9 +108,11 @@ def _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_pt
         mbarrier.arrive(full.index(SLOT), count=1)
 
 
+# One function a producer partition: a worker takes runtime arguments only, and its slot is a constexpr.
 @gluon.jit
 def _producer0(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
                rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
+    """Ring slot 0's producer: tiles 0, 2, 4, ..."""
     _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
              rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 0)
 
@@ -117,6 +120,7 @@ def _producer0(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_
 @gluon.jit
 def _producer1(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
                rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
+    """Ring slot 1's producer: tiles 1, 3, 5, ..."""
     _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
              rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 1)
 
@@ -146,15 +150,7 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
         s = t % STAGES
         mbarrier.wait(full.index(s), (t // STAGES) & 1)
         kh = kh_ring.index(s)
-        sp = warpgroup_mma(kpe_ring.index(s), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s0 = warpgroup_mma(kh.slice(0, 128, dim=1), q16_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s1 = warpgroup_mma(kh.slice(128, 128, dim=1), q16_smem.slice(128, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s2 = warpgroup_mma(kh.slice(256, 128, dim=1), q16_smem.slice(256, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
-        s3 = warpgroup_mma(kh.slice(384, 128, dim=1), q16_smem.slice(384, 128, dim=1).permute((1, 0)), s_zero,
-                           use_acc=False, is_async=True)
+        sp, s0, s1, s2, s3 = _e4m3_score_mmas(kh, kpe_ring.index(s), q16_smem, qpe_smem, s_zero)
         sc = (scl_ring.index(s * G).load(KEYS_L), scl_ring.index(s * G + 1).load(KEYS_L),
               scl_ring.index(s * G + 2).load(KEYS_L), scl_ring.index(s * G + 3).load(KEYS_L))
         sp, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(sp, s0, s1, s2, s3))
@@ -164,14 +160,7 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
         _scaled_probs(p_smem, p, sc)
         fence_async_shared()
         gl.thread_barrier()  # all of P is written
-        acc0 = warpgroup_mma(kh.slice(0, 128, dim=1).permute((1, 0)), p_smem.index(0), acc0 * alpha[None, :],
-                             is_async=True)
-        acc1 = warpgroup_mma(kh.slice(128, 128, dim=1).permute((1, 0)), p_smem.index(1), acc1 * alpha[None, :],
-                             is_async=True)
-        acc2 = warpgroup_mma(kh.slice(256, 128, dim=1).permute((1, 0)), p_smem.index(2), acc2 * alpha[None, :],
-                             is_async=True)
-        acc3 = warpgroup_mma(kh.slice(384, 128, dim=1).permute((1, 0)), p_smem.index(3), acc3 * alpha[None, :],
-                             is_async=True)
+        acc0, acc1, acc2, acc3 = _e4m3_output_mmas(kh, p_smem, acc0, acc1, acc2, acc3, alpha)
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
         gl.thread_barrier()  # every warp is done with P and the slot before P is rewritten and the slot released
         mbarrier.arrive(empty.index(s), count=1)
