@@ -256,6 +256,21 @@ def _e4m3_output_mmas(kh, p_smem, acc0, acc1, acc2, acc3, alpha):
 
 
 @gluon.jit
+def _e4m3_epilogue(acc0, acc1, acc2, acc3, m_i, l_keys, rs, out_args, row0, H, tok0, qlen, slot, S_L: gl.constexpr,
+                   R: gl.constexpr):
+    """Store the E4M3 kernels' normalised outputs O^T (four 128-column groups, the probabilities' 2^8 undone) and
+    log-sum-exp of tile rows rs."""
+    l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
+    inv_l = inv_l[None, :]
+    co = gl.arange(0, 128, layout=gl.SliceLayout(1, S_L))
+    _store_rows(acc0 * inv_l, co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc1 * inv_l, co + 128, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc2 * inv_l, co + 256, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_rows(acc3 * inv_l, co + 384, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
+    _store_lse(_lse(m_i, l_i), rs, out_args, H, tok0, qlen, slot)
+
+
+@gluon.jit
 def mla_attn_gluon_kt_e4m3_kernel(
     q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
     lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
@@ -326,12 +341,5 @@ def mla_attn_gluon_kt_e4m3_kernel(
         gl.thread_barrier()  # every warp is done with P and the float16 tile before they are rewritten
     async_copy.wait_group(0)
 
-    l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
-    inv_l = inv_l[None, :]
-    out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
-    co = gl.arange(0, 128, layout=KEYS_L)
-    _store_rows(acc0 * inv_l, co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc1 * inv_l, co + 128, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc2 * inv_l, co + 256, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc3 * inv_l, co + 384, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_lse(_lse(m_i, l_i), rs, out_args, H, tok0, qlen, slot)
+    _e4m3_epilogue(acc0, acc1, acc2, acc3, m_i, l_keys, rs, (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr), row0, H,
+                   tok0, qlen, slot, S_L, R)

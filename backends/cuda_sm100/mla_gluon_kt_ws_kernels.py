@@ -27,10 +27,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _block_of, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item, copy_layout,
+    _block_of, _gdc_enter, _stage_queries_f16, _work_item, copy_layout,
 )
 from deepinfer.backends.cuda_sm100.mla_gluon_kt_kernels import (
-    _P_SHIFT, _column_softmax, _column_state, _column_sums, _e4m3_output_mmas, _e4m3_score_mmas, _scaled_probs,
+    _column_softmax, _column_state, _e4m3_epilogue, _e4m3_output_mmas, _e4m3_score_mmas, _scaled_probs,
 )
 
 # Constexprs of the module, not arguments: a worker partition takes runtime values only.
@@ -165,15 +165,8 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
         gl.thread_barrier()  # every warp is done with P and the slot before P is rewritten and the slot released
         mbarrier.arrive(empty.index(s), count=1)
 
-    l_i, inv_l = _column_sums(l_keys, _P_SHIFT)
-    inv_l = inv_l[None, :]
-    out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr)
-    co = gl.arange(0, 128, layout=KEYS_L)
-    _store_rows(acc0 * inv_l, co, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc1 * inv_l, co + 128, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc2 * inv_l, co + 256, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_rows(acc3 * inv_l, co + 384, out_args, row0, H, tok0, qlen, slot, S_L, R, T=True)
-    _store_lse(_lse(m_i, l_i), rs, out_args, H, tok0, qlen, slot)
+    _e4m3_epilogue(acc0, acc1, acc2, acc3, m_i, l_keys, rs, (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr), row0, H,
+                   tok0, qlen, slot, S_L, R)
 
 
 # Integers handed to the producer stay runtime values: one the JIT specialised to a constant (a block-table stride
