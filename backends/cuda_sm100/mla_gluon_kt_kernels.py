@@ -226,6 +226,22 @@ def _scaled_probs(p_smem, p, sc):
 
 
 @gluon.jit
+def _e4m3_state(row0, H, qlen, slen, slot, S_L: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """_column_state's, and the four 128-column output groups O_g^T [128, BM], zero."""
+    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
+    acc = gl.zeros([128, BM], gl.float32, layout=S_L)
+    return rs, pos, m_i, l_keys, s_zero, kn, acc, acc, acc, acc
+
+
+@gluon.jit
+def _e4m3_scores(sp, s0, s1, s2, s3, sc, q_fac):
+    """A tile's scores from its finished score MMAs: each group's times its keys' scales, plus the rope part, times
+    the queries' factors (_stage_queries_f16)."""
+    c0, c1, c2, c3 = sc
+    return (sp + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
+
+
+@gluon.jit
 def _e4m3_score_mmas(kh, kpe, q16_smem, qpe_smem, s_zero):
     """Start a float16 key tile's score MMAs (not waited on): the rope part and each 128-channel group's, which
     meet their scales once done. Returns (rope, group 0..3) score tiles [BN, BM]."""
@@ -308,11 +324,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
     q_fac = _stage_queries_f16(q16_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, row0, H, tok0, qlen,
                                slot, PE_L, gl.SliceLayout(0, S_L), BM, R, P, 4)
 
-    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
-    acc0 = gl.zeros([128, BM], gl.float32, layout=S_L)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
+    rs, pos, m_i, l_keys, s_zero, kn, acc0, acc1, acc2, acc3 = _e4m3_state(row0, H, qlen, slen, slot, S_L, BM, BN)
 
     for t in range(0, n_tiles):
         buf = t % STAGES
@@ -325,8 +337,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
         gl.thread_barrier()
         s, s0, s1, s2, s3 = _e4m3_score_mmas(kh_smem, kpe_bufs.index(buf), q16_smem, qpe_smem, s_zero)
         s, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(s, s0, s1, s2, s3))
-        c0, c1, c2, c3 = sc
-        s = (s + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
+        s = _e4m3_scores(s, s0, s1, s2, s3, sc, q_fac)
         p, alpha, m_i, l_keys = _column_softmax(s, start + kn, pos, kv_end, qk_scale, m_i, l_keys)
         _scaled_probs(p_smem, p, sc)
         fence_async_shared()

@@ -30,7 +30,7 @@ from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
     _block_of, _gdc_enter, _stage_queries_f16, _work_item, copy_layout,
 )
 from deepinfer.backends.cuda_sm100.mla_gluon_kt_kernels import (
-    _column_softmax, _column_state, _e4m3_epilogue, _e4m3_output_mmas, _e4m3_score_mmas, _scaled_probs,
+    _column_softmax, _e4m3_epilogue, _e4m3_output_mmas, _e4m3_score_mmas, _e4m3_scores, _e4m3_state, _scaled_probs,
 )
 
 # Constexprs of the module, not arguments: a worker partition takes runtime values only.
@@ -141,11 +141,7 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
     fence_async_shared()
     gl.thread_barrier()  # every thread's query stores before the first wgmma reads them
 
-    rs, pos, m_i, l_keys, s_zero, kn = _column_state(row0, H, qlen, slen, slot, S_L, BM, BN)
-    acc0 = gl.zeros([128, BM], gl.float32, layout=S_L)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
+    rs, pos, m_i, l_keys, s_zero, kn, acc0, acc1, acc2, acc3 = _e4m3_state(row0, H, qlen, slen, slot, S_L, BM, BN)
     for t in range(0, n_tiles):
         s = t % STAGES
         mbarrier.wait(full.index(s), (t // STAGES) & 1)
@@ -154,8 +150,7 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
         sc = (scl_ring.index(s * G).load(KEYS_L), scl_ring.index(s * G + 1).load(KEYS_L),
               scl_ring.index(s * G + 2).load(KEYS_L), scl_ring.index(s * G + 3).load(KEYS_L))
         sp, s0, s1, s2, s3 = warpgroup_mma_wait(num_outstanding=0, deps=(sp, s0, s1, s2, s3))
-        c0, c1, c2, c3 = sc
-        sv = (sp + s0 * c0[:, None] + s1 * c1[:, None] + s2 * c2[:, None] + s3 * c3[:, None]) * q_fac[None, :]
+        sv = _e4m3_scores(sp, s0, s1, s2, s3, sc, q_fac)
         p, alpha, m_i, l_keys = _column_softmax(sv, kv_lo + t * BN + kn, pos, kv_end, qk_scale, m_i, l_keys)
         _scaled_probs(p_smem, p, sc)
         fence_async_shared()
