@@ -54,7 +54,7 @@ SMEM_BYTES = 176424
 def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st,
                 scale_off, rope_off, DQ_L: gl.constexpr, PE_L: gl.constexpr, SC_L: gl.constexpr, BN: gl.constexpr):
     """Key tile [start, start + BN) of cache block blk into registers: its E4M3 rows as four [BN, 128] pieces,
-    rope keys [BN, P] (bf16) and scales (G vectors [BN]); keys past kv_end are zeros (so a masked key's value times
+    rope keys [BN, P] (bf16) and scales [BN, G]; keys past kv_end are zeros (so a masked key's value times
     its zero probability stays 0, where the cache's stale bytes could be NaN)."""
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, DQ_L))
     c = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ_L))
@@ -71,11 +71,12 @@ def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_
     c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
     rrow = gl.multiple_of(blk * rope_sb + (start % BS + n2).to(gl.int64) * rope_st + rope_off, 8)
     pe = gl.load(rope_ptr + rrow[:, None] + c2[None, :], mask=(start + n2 < kv_end)[:, None], other=0.0)
-    n3 = gl.arange(0, BN, layout=SC_L)
-    srow = scl_ptr + blk * scl_sb + (start % BS + n3).to(gl.int64) * scl_st + scale_off
-    live3 = start + n3 < kv_end
-    sc = (gl.load(srow, mask=live3, other=0.0), gl.load(srow + 1, mask=live3, other=0.0),
-          gl.load(srow + 2, mask=live3, other=0.0), gl.load(srow + 3, mask=live3, other=0.0))
+    # A key's G scales are 16 contiguous bytes: two threads a key, each key once (four 4-byte loads a key, each
+    # made by two threads, were ~480 of a tile's ~736 excess sectors: ncu, RESULTS.md issue 8).
+    n3 = gl.arange(0, BN, layout=gl.SliceLayout(1, SC_L))
+    g3 = gl.arange(0, G, layout=gl.SliceLayout(0, SC_L))
+    srow = gl.multiple_of(blk * scl_sb + (start % BS + n3).to(gl.int64) * scl_st + scale_off, 4)
+    sc = gl.load(scl_ptr + srow[:, None] + g3[None, :], mask=(start + n3 < kv_end)[:, None], other=0.0)
     return (k0, k1, k2, k3), pe, sc
 
 
@@ -89,9 +90,11 @@ def _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_pt
     wait: 0.250 against the one-warpgroup kernel's 0.204 ms at 128 x 4096 x 16, H200)."""
     DQ_L: gl.constexpr = copy_layout("dq", 4)
     PE_L: gl.constexpr = copy_layout("pe", 4)
-    SC_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    SC_L: gl.constexpr = gl.BlockedLayout([1, G // 2], [16, 2], [4, 1], [1, 0])  # [BN, G] over 128 threads
     views = (lat_ptr, scl_ptr, rope_ptr)
     strides = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
+    # the ring's scales as one [STAGES * G, BN] tile, so a slot's [G, BN] rows are one store
+    scl_rows = scl_ring._reinterpret(gl.float32, [STAGES * G, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for t in range(SLOT, n_tiles, STAGES):
         start = kv_lo + t * BN
         k, pe, sc = _tile_loads(*views, _block_of(bt_row, start, kv_end, BS), start, kv_end, *strides, DQ_L, PE_L,
@@ -101,7 +104,7 @@ def _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_pt
         kh = kh_ring.index(SLOT)
         for g in gl.static_range(G):
             kh.slice(g * 128, 128, dim=1).store(k[g].to(gl.float16))
-            scl_ring.index(SLOT * G + g).store(sc[g])
+        scl_rows.slice(SLOT * G, G, dim=0).store(gl.permute(sc, (1, 0)))
         kpe_ring.index(SLOT).store(pe)
         fence_async_shared()  # generic-proxy stores, read by the consumer's wgmmas (async proxy) ...
         gl.thread_barrier()  # ... from every thread of this warpgroup, before its one arrive below
