@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_suite.sh e2e     # + benchmarks/e2e.py with transformers in the same run (~7 min in all)
 #   bash benchmarks/gpu_suite.sh pdl     # programmatic dependent launch (on by default): the graph and greedy-
 #                                        # equality tests with it, then decode at batch 1 / 32 with and without
-#   bash benchmarks/gpu_suite.sh kt-ws   # the warp-specialised E4M3 keys-as-M kernel (DEEPINFER_MLA_KT_WS): its GPU
+#   bash benchmarks/gpu_suite.sh kt-ws   # the TMA-fed E4M3 keys-as-M kernel (DEEPINFER_MLA_KT_WS): its GPU
 #                                        # tests, mla_decode.py's 16-head FP8 shapes off / on twice, and e2e V2-Lite
 #                                        # FP8 weights + cache, batch 1 / 32, off / on (~6 min)
 #   bash benchmarks/gpu_suite.sh ep      # on a multi-GPU kind: the 2-rank NCCL dispatch/combine and EP engine

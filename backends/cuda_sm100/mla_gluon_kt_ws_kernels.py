@@ -1,21 +1,24 @@
-"""Keys-as-M MLA decode over DeepSeek's FP8 cache with the widening in its own warps (warp-specialised).
+"""Keys-as-M MLA decode over DeepSeek's FP8 cache with the loads and the widening in their own warps.
 
 Why: mla_gluon_kt_kernels.mla_attn_gluon_kt_e4m3_kernel takes 174336 B of shared memory, so one program an SM,
 and that program runs a tile's steps one after another: wait for the copy, widen E4M3 to float16, score MMAs,
-softmax, output MMAs. At 128 x 4096 keys x 16 heads a tile takes ~3.2 us where its 41 KiB need ~1.2 us at an SM's
-share of HBM (0.40 of HBM read, H200; benchmarks/RESULTS.md, issue 8). Reading the E4M3 rows from L2 into the
-widening with two programs an SM lost 3-10% (RESULTS.md, twenty-eighth session). Here the steps overlap:
+softmax, output MMAs (0.41 of HBM read at 128 x 4096 keys x 16 heads, H200). Here the steps overlap, in three
+partitions meeting at mbarriers:
 
-- two producer warpgroups, one a ring slot, each load a tile's E4M3 rows, rope keys and scales from global
-  memory into registers, wait for their slot to be empty, widen the rows to float16 and store all three into the
-  two-slot ring in shared memory, then signal the slot's `full` barrier;
+- the loader warp copies each 64-key tile by TMA, as two halves, into two raw slots (a half: its 32 E4M3 rows
+  as four 128-byte boxes, its rope keys, its scales; 20992 B);
+- the producer warpgroup reads a half into registers, hands the raw slot back, waits for its slot of the
+  two-slot float16 ring to be empty, widens the rows and stores them, the rope keys and the scales there; a
+  tile's two halves done, it signals the slot's `full` barrier;
 - the consumer warpgroup (the default partition) runs the MMAs and the softmax of mla_attn_gluon_kt_e4m3_kernel
   on the ring's slot and signals its `empty` barrier when the output MMAs are done.
 
-So a tile's loads and widening run under the previous tile's MMAs and softmax. Shared memory: queries 18 KiB,
-ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB: 172 KiB, one program an SM, three warpgroups.
-Same contract and arguments as the keys-as-M kernels (mla_launch.launch_gluon_kt), less the shape constexprs.
-GPU only (Gluon).
+Before TMA, two producer warpgroups (one a ring slot) loaded the tiles into registers themselves: without the
+consumer's MMAs they streamed at only 0.63 of HBM read at 32 x 65536 x 16, the L1 the busiest unit (ncu), and the
+whole kernel ran 16-19% slower at 4096 keys (RESULTS.md issue 8, twenty-ninth session).
+Shared memory: queries 18 KiB, ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB, raw slots 41 KiB: 213 KiB, one
+program an SM. Arguments: the keys-as-M kernels' contract (mla_launch.launch_gluon_kt) with the cache as three
+TMA descriptors (mla_launch.e4m3_descriptors). GPU only (Gluon).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma_wait,
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
@@ -38,104 +41,119 @@ R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank)
 P = gl.constexpr(64)  # rope width
 BM = gl.constexpr(16)  # query rows a program: the wgmma N
 BN = gl.constexpr(64)  # keys a tile: the wgmma M of one warpgroup
-NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer warpgroups are workers
-STAGES = gl.constexpr(2)  # ring slots: a producer fills one while the consumer reads the other
+NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer and the loader are workers
+STAGES = gl.constexpr(2)  # float16 ring slots: the producer fills one while the consumer reads the other
 G = gl.constexpr(R // 128)  # a token's scale groups
-# Registers a thread: a producer holds a tile's E4M3 rows (64), rope keys (16) and scales; the consumer four
-# 128 x 16 float32 outputs and five 64 x 16 score tiles. maxnreg for the launch: 384 threads x 168 fit the 64 Ki
-# register file, and the producers' release lets the consumer grow.
+HALF = gl.constexpr(32)  # keys a raw slot holds: half a tile
+# E4M3 bytes of a row a TMA box carries: four boxes a row. 128-byte boxes ran 3-4% faster than 64-byte ones (whose
+# widening is free of bank conflicts, where a 128-byte piece's float16 stores have one: gl.bank_conflicts), with
+# half the copies and half the producer's barriers (H200, RESULTS.md issue 8, twenty-ninth session).
+PIECE = gl.constexpr(128)
+HALF_BYTES = gl.constexpr(HALF * (R + 2 * P + 4 * G))  # a raw slot's bytes: 32 rows of 656
+# The raw slots' layouts, which the host's TMA descriptors carry too: unswizzled rows.
+LAT_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 8, 2))
+PE_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 16, 2))
+SC_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 32, 2))
+# Registers a thread: the producer holds a half tile's E4M3 rows (16) and its widened pieces; the consumer four
+# 128 x 16 float32 outputs and five 64 x 16 score tiles (the default partition takes what the workers leave).
 PRODUCER_REGS = gl.constexpr(128)
+LOADER_REGS = gl.constexpr(48)
 MAXNREG = 168
 # Shared memory a program takes (sm_90 compile).
-SMEM_BYTES = 176424
+SMEM_BYTES = 218440
 
 
 @gluon.jit
-def _tile_loads(lat_ptr, scl_ptr, rope_ptr, blk, start, kv_end, BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st,
-                scale_off, rope_off, DQ_L: gl.constexpr, PE_L: gl.constexpr, SC_L: gl.constexpr, BN: gl.constexpr):
-    """Key tile [start, start + BN) of cache block blk into registers: its E4M3 rows as four [BN, 128] pieces,
-    rope keys [BN, P] (bf16) and scales [BN, G]; keys past kv_end are zeros (so a masked key's value times
-    its zero probability stays 0, where the cache's stale bytes could be NaN)."""
-    n = gl.arange(0, BN, layout=gl.SliceLayout(1, DQ_L))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, DQ_L))
-    # Rows are 16-byte aligned (656 bytes, the rope at byte 528, the scales at 512), which runtime strides do
-    # not show the compiler: say so, for 16-byte loads.
-    row = gl.multiple_of(blk * lat_sb + (start % BS + n).to(gl.int64) * lat_st, 16)
-    live = (start + n < kv_end)[:, None]
-    ptrs = lat_ptr + row[:, None] + c[None, :]
-    k0 = gl.load(ptrs, mask=live, other=0.0)
-    k1 = gl.load(ptrs + 128, mask=live, other=0.0)
-    k2 = gl.load(ptrs + 256, mask=live, other=0.0)
-    k3 = gl.load(ptrs + 384, mask=live, other=0.0)
-    n2 = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
-    c2 = gl.arange(0, P, layout=gl.SliceLayout(0, PE_L))
-    rrow = gl.multiple_of(blk * rope_sb + (start % BS + n2).to(gl.int64) * rope_st + rope_off, 8)
-    pe = gl.load(rope_ptr + rrow[:, None] + c2[None, :], mask=(start + n2 < kv_end)[:, None], other=0.0)
-    # A key's G scales are 16 contiguous bytes: two threads a key, each key once (four 4-byte loads a key, each
-    # made by two threads, were ~480 of a tile's ~736 excess sectors: ncu, RESULTS.md issue 8).
-    n3 = gl.arange(0, BN, layout=gl.SliceLayout(1, SC_L))
-    g3 = gl.arange(0, G, layout=gl.SliceLayout(0, SC_L))
-    srow = gl.multiple_of(blk * scl_sb + (start % BS + n3).to(gl.int64) * scl_st + scale_off, 4)
-    sc = gl.load(scl_ptr + srow[:, None] + g3[None, :], mask=(start + n3 < kv_end)[:, None], other=0.0)
-    return (k0, k1, k2, k3), pe, sc
+def _issue_half(lat_desc, rope_desc, scl_desc, raw_lat, raw_pe, raw_sc, raw_full, bt_row, kv_lo, kv_end, BS, t,
+                HH: gl.constexpr):
+    """TMA half HH of key tile t (keys kv_lo + t * BN + HH * HALF, ...) into raw slot HH: its E4M3 rows as four
+    [HALF, PIECE] boxes, its rope keys and its scales, all arriving on raw_full[HH]."""
+    start = kv_lo + t * BN
+    row = (_block_of(bt_row, start, kv_end, BS) * BS + start % BS + HH * HALF).to(gl.int32)
+    bar = raw_full.index(HH)
+    mbarrier.expect(bar, HALF_BYTES)
+    for c in gl.static_range(R // PIECE):
+        tma.async_copy_global_to_shared(lat_desc, [row, c * PIECE], bar, raw_lat.index(HH * (R // PIECE) + c))
+    tma.async_copy_global_to_shared(rope_desc, [row, 0], bar, raw_pe.index(HH))
+    tma.async_copy_global_to_shared(scl_desc, [row, 0], bar, raw_sc.index(HH))
 
 
 @gluon.jit
-def _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, SLOT: gl.constexpr):
-    """Fill ring slot SLOT with tiles SLOT, SLOT + STAGES, ...: load a tile into registers, wait for the slot to be
-    empty, widen the E4M3 rows to float16 and store them, the rope keys and the scales (one [BN] row a group),
-    then signal `full`. Each slot has its own producer warpgroup, so two tiles' loads are in flight at once, and
-    a tile's loads are issued before the wait for its slot (one producer for both slots, its loads after the
-    wait: 0.250 against the one-warpgroup kernel's 0.204 ms at 128 x 4096 x 16, H200)."""
-    DQ_L: gl.constexpr = copy_layout("dq", 4)
+def _loader(lat_desc, rope_desc, scl_desc, raw_lat, raw_pe, raw_sc, raw_full, raw_empty, BS, bt_row, kv_lo, kv_end,
+            n_tiles):
+    """The TMA warp: each key tile's two halves into the two raw slots, each once the producer has read the slot's
+    previous half. (Issued from the producer warpgroup itself, each copy took a 128-thread barrier.)"""
+    for t in range(0, n_tiles):
+        for hh in gl.static_range(2):
+            # mbarriers start as if phase 1 had completed: the first pass over the slots does not wait.
+            mbarrier.wait(raw_empty.index(hh), (t & 1) ^ 1)
+            _issue_half(lat_desc, rope_desc, scl_desc, raw_lat, raw_pe, raw_sc, raw_full, bt_row, kv_lo, kv_end, BS,
+                        t, hh)
+
+
+@gluon.jit
+def _load_rows(raw_lat, first, L: gl.constexpr):
+    """A raw slot's four [HALF, PIECE] E4M3 boxes (first, ..., first + 3) into registers."""
+    return (raw_lat.index(first).load(L), raw_lat.index(first + 1).load(L), raw_lat.index(first + 2).load(L),
+            raw_lat.index(first + 3).load(L))
+
+
+@gluon.jit
+def _store_rows(kh, lat, live):
+    """Widen a half tile's pieces to float16 (zeros where not live) into its [HALF, R] rows of the ring slot."""
+    for c in gl.static_range(R // PIECE):
+        kh.slice(c * PIECE, PIECE, dim=1).store(gl.where(live, lat[c].to(gl.float16), 0.0))
+
+
+@gluon.jit
+def _widen(kh_ring, kpe_ring, scl_ring, full, empty, raw_lat, raw_pe, raw_sc, raw_full, raw_empty, kv_lo, kv_end,
+           n_tiles):
+    """The producer warpgroup: fill the two-slot float16 ring with key tiles 0, 1, ... A tile comes as two halves
+    in the two raw slots. Each half's bytes are read into registers and the slot handed back to the loader at
+    once, so the loader's next copy is in flight while the half waits for its ring slot, is widened and stored.
+    Keys past kv_end are zeros (a masked key's value times its zero probability stays 0, where the cache's stale
+    bytes could be NaN)."""
+    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [HALF, PIECE]: a quarter warp a row
     PE_L: gl.constexpr = copy_layout("pe", 4)
-    SC_L: gl.constexpr = gl.BlockedLayout([1, G // 2], [16, 2], [4, 1], [1, 0])  # [BN, G] over 128 threads
-    views = (lat_ptr, scl_ptr, rope_ptr)
-    strides = (BS, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off)
-    # the ring's scales as one [STAGES * G, BN] tile, so a slot's [G, BN] rows are one store
-    scl_rows = scl_ring._reinterpret(gl.float32, [STAGES * G, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    for t in range(SLOT, n_tiles, STAGES):
-        start = kv_lo + t * BN
-        k, pe, sc = _tile_loads(*views, _block_of(bt_row, start, kv_end, BS), start, kv_end, *strides, DQ_L, PE_L,
-                                SC_L, BN)
-        # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
-        mbarrier.wait(empty.index(SLOT), ((t // STAGES) & 1) ^ 1)
-        kh = kh_ring.index(SLOT)
-        for g in gl.static_range(G):
-            kh.slice(g * 128, 128, dim=1).store(k[g].to(gl.float16))
-        scl_rows.slice(SLOT * G, G, dim=0).store(gl.permute(sc, (1, 0)))
-        kpe_ring.index(SLOT).store(pe)
+    SC_L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])  # [HALF, G]: one scale a thread
+    n = gl.arange(0, HALF, layout=gl.SliceLayout(1, DQ_L))
+    n2 = gl.arange(0, HALF, layout=gl.SliceLayout(1, PE_L))
+    n3 = gl.arange(0, HALF, layout=gl.SliceLayout(1, SC_L))
+    # the ring's scales as [STAGES, G, BN] rows, so a half tile's [G, HALF] is one store
+    scl_rows = scl_ring._reinterpret(gl.float32, [STAGES, G, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for t in range(0, n_tiles):
+        s = t % STAGES
+        for hh in gl.static_range(2):
+            mbarrier.wait(raw_full.index(hh), t & 1)
+            lat = _load_rows(raw_lat, hh * (R // PIECE), DQ_L)
+            pe = raw_pe.index(hh).load(PE_L)
+            sc = raw_sc.index(hh).load(SC_L)
+            gl.thread_barrier()  # every thread's reads of the raw slot before the loader refills it
+            mbarrier.arrive(raw_empty.index(hh), count=1)
+            start = kv_lo + t * BN + hh * HALF
+            if hh == 0:
+                # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
+                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            kh = kh_ring.index(s).slice(hh * HALF, HALF, dim=0)
+            live = (start + n < kv_end)[:, None]
+            _store_rows(kh, lat, live)
+            kpe_ring.index(s).slice(hh * HALF, HALF, dim=0).store(
+                gl.where((start + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
+            sc = gl.where((start + n3 < kv_end)[:, None], sc, 0.0)
+            scl_rows.index(s).slice(hh * HALF, HALF, dim=1).store(gl.permute(sc, (1, 0)))
         fence_async_shared()  # generic-proxy stores, read by the consumer's wgmmas (async proxy) ...
         gl.thread_barrier()  # ... from every thread of this warpgroup, before its one arrive below
-        mbarrier.arrive(full.index(SLOT), count=1)
-
-
-# One function a producer partition: a worker takes runtime arguments only, and its slot is a constexpr.
-@gluon.jit
-def _producer0(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-               rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
-    """Ring slot 0's producer: tiles 0, 2, 4, ..."""
-    _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 0)
-
-
-@gluon.jit
-def _producer1(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-               rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles):
-    """Ring slot 1's producer: tiles 1, 3, 5, ..."""
-    _produce(kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st,
-             rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles, 1)
+        mbarrier.arrive(full.index(s), count=1)
 
 
 @gluon.jit
 def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
               q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
               row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale):
-    """mla_attn_gluon_kt_e4m3_kernel's loop on the producers' ring: scores with the scales on them, the column
+    """mla_attn_gluon_kt_e4m3_kernel's loop on the producer's ring: scores with the scales on them, the column
     softmax, scaled probabilities, outputs; then the output rows and log-sum-exp. (Starting tile t + 1's score
-    MMAs before tile t's softmax, which waits for t + 1's slot first, lost 5-12% on the H200: tile t's slot is
-    released later, and the producers wait on it.)"""
+    MMAs before tile t's softmax, which waits for t + 1's slot first, lost 5-12% on the H200 with the register-
+    loading producers: tile t's slot is released later, and the producers wait on it.)"""
     PE_L: gl.constexpr = copy_layout("pe", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
@@ -167,20 +185,19 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
                    tok0, qlen, slot, S_L, R)
 
 
-# Integers handed to the producer stay runtime values: one the JIT specialised to a constant (a block-table stride
-# of 1) could not be passed to a worker partition. _tile_loads states the rows' alignment instead.
-@gluon.jit(do_not_specialize=["lat_sb", "lat_st", "scl_sb", "scl_st", "rope_sb", "rope_st", "scale_off", "rope_off",
-                              "BS", "bt_stride"])
+@gluon.jit(do_not_specialize=["BS", "bt_stride"])
 def mla_attn_gluon_kt_e4m3_ws_kernel(
     q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh,
-    lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
+    lat_desc, rope_desc, scl_desc, BS,
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
     PDL: gl.constexpr = False,
 ):
     """mla_attn_gluon_kt_e4m3_kernel (one work item x at most 16 query rows of an FP8 cache) with the loads and
-    widening in producer warpgroups (see the module docstring)."""
+    widening in a producer warpgroup (see the module docstring). The cache comes as three TMA descriptors over
+    its [blocks x BS, 656] bytes: the E4M3 rows, the rope keys and the scales (mla_launch.e4m3_descriptors).
+    BS and bt_stride stay runtime values: one the JIT specialised to a constant could not go to a worker."""
     row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
@@ -197,18 +214,26 @@ def mla_attn_gluon_kt_e4m3_ws_kernel(
     scl_ring = gl.allocate_shared_memory(gl.float32, [STAGES * G, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_smem = gl.allocate_shared_memory(gl.float16, [G, BN, BM], gl.NVMMASharedLayout.get_default_for([BN, BM],
                                                                                                       gl.float16))
+    # the TMA landing slots, one a half tile
+    raw_lat = gl.allocate_shared_memory(gl.float8e4nv, [2 * (R // PIECE), HALF, PIECE], LAT_SMEM)
+    raw_pe = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, P], PE_SMEM)
+    raw_sc = gl.allocate_shared_memory(gl.float32, [2, HALF, G], SC_SMEM)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    raw_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    raw_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)  # the producer's one arrive
         mbarrier.init(empty.index(i), count=1)  # the consumer's
+        mbarrier.init(raw_full.index(i), count=1)  # the loader's expect, then the TMA bytes
+        mbarrier.init(raw_empty.index(i), count=1)  # the producer's
     fence_async_shared()
-    producer_args = (kh_ring, kpe_ring, scl_ring, full, empty, lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb,
-                     scl_st, rope_sb, rope_st, scale_off, rope_off, BS, bt_row, kv_lo, kv_end, n_tiles)
     gl.warp_specialize([
         (_consumer, (q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, empty,
                      q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe_sh, out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
                      row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, H, qk_scale)),
-        (_producer0, producer_args),
-        (_producer1, producer_args),
-    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
+        (_widen, (kh_ring, kpe_ring, scl_ring, full, empty, raw_lat, raw_pe, raw_sc, raw_full, raw_empty, kv_lo, kv_end,
+                  n_tiles)),
+        (_loader, (lat_desc, rope_desc, scl_desc, raw_lat, raw_pe, raw_sc, raw_full, raw_empty, BS, bt_row, kv_lo,
+                   kv_end, n_tiles)),
+    ], [4, 1], [PRODUCER_REGS, LOADER_REGS])

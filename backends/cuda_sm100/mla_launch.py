@@ -204,29 +204,53 @@ def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool
 
 
 def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
-    """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (loads and widening in two producer
-    warpgroups) rather than the one-warpgroup kernel; DEEPINFER_MLA_KT_WS=0 keeps the latter (A/B runs). H200
-    (2026-12-02), mla_decode.py 16 heads, two rounds: 32 x 65536 keys 0.658-0.659 vs 0.723-0.725 ms, 128 x 4096,
-    64 x 4096, 1 x 16384 and 1 x 1024 within 0.5% either way; e2e V2-Lite FP8 weights and cache batch 32 at 1k
-    4956.5 vs 4928.2 tok/s, batch 1 622.7 vs 620.1."""
-    return (os.environ.get("DEEPINFER_MLA_KT_WS", "1") != "0" and spec.is_fp8
-            and gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"))
+    """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (TMA loads, widening in a producer
+    warpgroup) rather than the one-warpgroup kernel. DEEPINFER_MLA_KT_WS: "0" never, "1" always (tests, A/B
+    runs); by default only while a CUDA graph is captured. Triton 3.6 encodes the kernel's three TMA descriptors
+    on every launch: an eager call took 280 against 161 us of host time (H200 host, 1 x 1024 keys x 16 heads),
+    which a graph pays once. H200 (2026-12-02), mla_decode.py 16 heads, graph replay, against the one-warpgroup
+    kernel in the same call: 128 x 4096 keys 0.164 vs 0.203 ms, 32 x 65536 0.583 vs 0.729, 64 x 4096 0.091 vs
+    0.112, 1 x 16384 0.0188 vs 0.0201 (RESULTS.md, issue 8, twenty-ninth session)."""
+    env = os.environ.get("DEEPINFER_MLA_KT_WS")
+    if env == "0" or not spec.is_fp8 or not gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"):
+        return False
+    return env == "1" or torch.cuda.is_current_stream_capturing()
 
 
 def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     """Run tiles of at most 16 rows on the keys-as-M Gluon kernel (the caller checked keys_as_m_usable)."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
-    if keys_as_m_ws_usable(spec, q_nope.device):
+    descs = e4m3_descriptors(views) if keys_as_m_ws_usable(spec, q_nope.device) else None
+    if descs is not None:
         W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
         W.mla_attn_gluon_kt_e4m3_ws_kernel[(items.shape[0],)](
-            *_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG,
-            **launch_kwargs())
+            q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *descs, views[-1],
+            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, 1,
+            num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG, **launch_kwargs())
         return
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
     kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
     kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R, P=G.P, BM=G.BM,
                               BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
+
+
+def e4m3_descriptors(views) -> tuple | None:
+    """TMA descriptors for mla_gluon_kt_ws_kernels over an FP8 cache's rows ([blocks x BS, 656 bytes]): the E4M3
+    rows, the rope keys, the scales. None where blocks are not back to back or a base is not 16-byte aligned."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
+    lat, scl, rope, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, bs = views
+    rows = lat.shape[0] * bs
+    if lat_sb != bs * lat_st or not lat.is_contiguous() or lat.data_ptr() % 16:
+        return None
+    half, piece = W.HALF.value, W.PIECE.value
+    return (TensorDescriptor(lat, [rows, W.R.value], [lat_st, 1], [half, piece], W.LAT_SMEM.value),
+            TensorDescriptor(rope.reshape(-1)[rope_off:], [rows, W.P.value], [rope_st, 1], [half, W.P.value],
+                             W.PE_SMEM.value),
+            TensorDescriptor(scl.reshape(-1)[scale_off:], [rows, W.G.value], [scl_st, 1], [half, W.G.value],
+                             W.SC_SMEM.value))
 
 
 def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:

@@ -50,7 +50,12 @@ def mla_keys_as_m(fp8: bool):
 def mla_keys_as_m_ws():
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_ws_kernels as W
 
-    args = {**mla_args(True), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
+    half, piece, p, g = W.HALF.value, W.PIECE.value, W.P.value, W.G.value
+    views = dict(lat_desc=f"tensordesc<fp8e4nv[{half}, {piece}],{W.LAT_SMEM.value!r}>",
+                 rope_desc=f"tensordesc<bf16[{half}, {p}],{W.PE_SMEM.value!r}>",
+                 scl_desc=f"tensordesc<fp32[{half}, {g}],{W.SC_SMEM.value!r}>")
+    args = {k: v for k, v in mla_args(True).items() if not k.startswith(("lat_", "scl_", "rope_", "scale_"))}
+    args = {**args, **views, "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
     return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True), W.NUM_WARPS, maxnreg=W.MAXNREG)
 
 
