@@ -106,13 +106,39 @@ def _store_rows(kh, lat, live):
 
 
 @gluon.jit
+def _read_half(raw_lat, raw_pe, raw_sc, raw_full, raw_empty, t, HH: gl.constexpr, DQ_L: gl.constexpr,
+               PE_L: gl.constexpr, SC_L: gl.constexpr):
+    """Tile t's half HH from its raw slot into registers (E4M3 rows as four pieces, rope keys, scales), then the
+    slot back to the loader."""
+    mbarrier.wait(raw_full.index(HH), t & 1)
+    lat = _load_rows(raw_lat, HH * (R // PIECE), DQ_L)
+    pe = raw_pe.index(HH).load(PE_L)
+    sc = raw_sc.index(HH).load(SC_L)
+    gl.thread_barrier()  # every thread's reads of the raw slot before the loader refills it
+    mbarrier.arrive(raw_empty.index(HH), count=1)
+    return lat, pe, sc
+
+
+@gluon.jit
+def _store_half(kh, kpe, scl_rows, half, start, kv_end, HH: gl.constexpr, n, n2, n3):
+    """A half tile (keys start + HH * HALF, ...) into its rows of a ring slot: the E4M3 rows widened to float16,
+    the rope keys, the scales as [G, HALF] columns; zeros for keys past kv_end."""
+    lat, pe, sc = half
+    first = start + HH * HALF
+    _store_rows(kh.slice(HH * HALF, HALF, dim=0), lat, (first + n < kv_end)[:, None])
+    kpe.slice(HH * HALF, HALF, dim=0).store(gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
+    scl_rows.slice(HH * HALF, HALF, dim=1).store(gl.permute(gl.where((first + n3 < kv_end)[:, None], sc, 0.0), (1, 0)))
+
+
+@gluon.jit
 def _widen(kh_ring, kpe_ring, scl_ring, full, empty, raw_lat, raw_pe, raw_sc, raw_full, raw_empty, kv_lo, kv_end,
            n_tiles):
     """The producer warpgroup: fill the two-slot float16 ring with key tiles 0, 1, ... A tile comes as two halves
     in the two raw slots. Each half's bytes are read into registers and the slot handed back to the loader at
     once, so the loader's next copy is in flight while the half waits for its ring slot, is widened and stored.
-    Keys past kv_end are zeros (a masked key's value times its zero probability stays 0, where the cache's stale
-    bytes could be NaN)."""
+    (Reading both halves before the wait for the ring slot ran 1% slower: H200, RESULTS.md issue 8.) Keys past
+    kv_end are zeros (a masked key's value times its zero probability stays 0, where the cache's stale bytes
+    could be NaN)."""
     DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [HALF, PIECE]: a quarter warp a row
     PE_L: gl.constexpr = copy_layout("pe", 4)
     SC_L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])  # [HALF, G]: one scale a thread
@@ -123,24 +149,13 @@ def _widen(kh_ring, kpe_ring, scl_ring, full, empty, raw_lat, raw_pe, raw_sc, ra
     scl_rows = scl_ring._reinterpret(gl.float32, [STAGES, G, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for t in range(0, n_tiles):
         s = t % STAGES
-        for hh in gl.static_range(2):
-            mbarrier.wait(raw_full.index(hh), t & 1)
-            lat = _load_rows(raw_lat, hh * (R // PIECE), DQ_L)
-            pe = raw_pe.index(hh).load(PE_L)
-            sc = raw_sc.index(hh).load(SC_L)
-            gl.thread_barrier()  # every thread's reads of the raw slot before the loader refills it
-            mbarrier.arrive(raw_empty.index(hh), count=1)
-            start = kv_lo + t * BN + hh * HALF
-            if hh == 0:
-                # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
-                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            kh = kh_ring.index(s).slice(hh * HALF, HALF, dim=0)
-            live = (start + n < kv_end)[:, None]
-            _store_rows(kh, lat, live)
-            kpe_ring.index(s).slice(hh * HALF, HALF, dim=0).store(
-                gl.where((start + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
-            sc = gl.where((start + n3 < kv_end)[:, None], sc, 0.0)
-            scl_rows.index(s).slice(hh * HALF, HALF, dim=1).store(gl.permute(sc, (1, 0)))
+        start = kv_lo + t * BN
+        h0 = _read_half(raw_lat, raw_pe, raw_sc, raw_full, raw_empty, t, 0, DQ_L, PE_L, SC_L)
+        # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        _store_half(kh_ring.index(s), kpe_ring.index(s), scl_rows.index(s), h0, start, kv_end, 0, n, n2, n3)
+        h1 = _read_half(raw_lat, raw_pe, raw_sc, raw_full, raw_empty, t, 1, DQ_L, PE_L, SC_L)
+        _store_half(kh_ring.index(s), kpe_ring.index(s), scl_rows.index(s), h1, start, kv_end, 1, n, n2, n3)
         fence_async_shared()  # generic-proxy stores, read by the consumer's wgmmas (async proxy) ...
         gl.thread_barrier()  # ... from every thread of this warpgroup, before its one arrive below
         mbarrier.arrive(full.index(s), count=1)
