@@ -20,7 +20,7 @@ wgmma's M and the query rows are its N (16), so:
 Same contract as mla_attn_kernel (work items, rows = query x head, direct or partial outputs with log-sum-exp),
 restricted to what mla_launch.gluon_tile_usable checks (bf16 queries, rank 512, rope 64, tiles aligned to
 blocks): mla_attn_gluon_kt_kernel for a bf16 cache, mla_attn_gluon_kt_e4m3_kernel for DeepSeek's FP8 cache
-(where mla_gluon_kt_ws_kernels, its warp-specialised form, runs by default: mla_launch.keys_as_m_ws_usable).
+(where mla_gluon_kt_ws_kernels, its TMA-fed warp-specialised form, runs in CUDA graphs: mla_launch.keys_as_m_ws_usable).
 GPU only: Gluon has no interpreter, so the conformance tests run them on the H200.
 """
 

@@ -203,6 +203,32 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+def test_tma_fed_kernel_runs_in_graphs_unless_told(kern, monkeypatch):
+    """An FP8 cache's keys-as-M tiles take the TMA-fed kernel while a CUDA graph is captured and the one-warpgroup
+    kernel in eager calls (whose launches would encode its three TMA descriptors every time), unless
+    DEEPINFER_MLA_KT_WS says "1" (always) or "0" (never); a bf16 cache never takes it."""
+    from deepinfer.backends.cuda_sm100 import gluon_gate, mla_launch as A
+
+    fp8, bf16 = KVCacheSpec(1, 64, RANK, ROPE, "fp8_e4m3"), KVCacheSpec(1, 64, RANK, ROPE, "bf16")
+    if not gluon_gate.runs_on(kern.device, "mla_gluon_kt_ws_kernels"):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+
+    def usable(env):
+        if env is None:
+            monkeypatch.delenv("DEEPINFER_MLA_KT_WS", raising=False)
+        else:
+            monkeypatch.setenv("DEEPINFER_MLA_KT_WS", env)
+        eager = A.keys_as_m_ws_usable(fp8, kern.device)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            captured = (A.keys_as_m_ws_usable(fp8, kern.device), A.keys_as_m_ws_usable(bf16, kern.device))
+        return eager, captured
+
+    assert usable(None) == (False, (True, False))
+    assert usable("1") == (True, (True, False))
+    assert usable("0") == (False, (False, False))
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("magnitude", [2.0**17, 2.0**-24])
 @pytest.mark.parametrize("ws", [False, True])
