@@ -224,10 +224,9 @@ def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
     descs = e4m3_descriptors(views) if keys_as_m_ws_usable(spec, q_nope.device) else None
     if descs is not None:
         W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
-        W.mla_attn_gluon_kt_e4m3_ws_kernel[(items.shape[0],)](
-            q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *descs, views[-1],
-            plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, 1,
-            num_warps=W.NUM_WARPS, maxnreg=W.MAXNREG, **launch_kwargs())
+        W.mla_attn_gluon_kt_e4m3_ws_kernel[(items.shape[0],)](  # the cache as descriptors and its block size
+            *_gluon_args(q_nope, q_pe, (*descs, views[-1]), plan, items, tail, 1), num_warps=W.NUM_WARPS,
+            maxnreg=W.MAXNREG, **launch_kwargs())
         return
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
     kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
