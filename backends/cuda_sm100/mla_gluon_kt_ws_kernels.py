@@ -15,7 +15,7 @@ partitions meeting at mbarriers:
 
 Before TMA, two producer warpgroups (one a ring slot) loaded the tiles into registers themselves: without the
 consumer's MMAs they streamed at only 0.63 of HBM read at 32 x 65536 x 16, the L1 the busiest unit (ncu), and the
-whole kernel ran 16-19% slower at 4096 keys (RESULTS.md issue 8, twenty-ninth session).
+whole kernel ran 20% slower at 4096 keys and 7% at 65536 (RESULTS.md issue 8, twenty-ninth session).
 Shared memory: queries 18 KiB, ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB, raw slots 41 KiB: 213 KiB, one
 program an SM. Arguments: the keys-as-M kernels' contract (mla_launch.launch_gluon_kt) with the cache as three
 TMA descriptors (mla_launch.e4m3_descriptors). GPU only (Gluon).
@@ -54,7 +54,7 @@ HALF_BYTES = gl.constexpr(HALF * (R + 2 * P + 4 * G))  # a raw slot's bytes: 32 
 LAT_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 8, 2))
 PE_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 16, 2))
 SC_SMEM = gl.constexpr(gl.NVMMASharedLayout(0, 32, 2))
-# Registers a thread: the producer holds a half tile's E4M3 rows (16) and its widened pieces; the consumer four
+# Registers a thread: the producer holds a half tile's E4M3 rows (32) and its widened pieces; the consumer four
 # 128 x 16 float32 outputs and five 64 x 16 score tiles (the default partition takes what the workers leave).
 PRODUCER_REGS = gl.constexpr(128)
 LOADER_REGS = gl.constexpr(48)
