@@ -6,7 +6,8 @@ set -u
 OUT=${OUT:-$PWD/ncu_out}
 mkdir -p "$OUT"
 source benchmarks/device_env.sh >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-cd benchmarks && timeout 200 ncu --clock-control none --kernel-name regex:kt_e4m3_ws --launch-count 1 \
+# DEEPINFER_MLA_KT_WS=1: eager calls too take the TMA-fed kernel (by default it runs only in graphs)
+cd benchmarks && DEEPINFER_MLA_KT_WS=1 timeout 200 ncu --clock-control none --kernel-name regex:kt_e4m3_ws --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     --section SourceCounters python3 mla_decode.py --dtypes fp8_e4m3 --no-peer --reps 1 --shapes "${1:-32x65536x16}" \
     > "$OUT/ncu_kt_ws.log" 2>&1
