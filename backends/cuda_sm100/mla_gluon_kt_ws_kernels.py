@@ -45,8 +45,7 @@ NUM_WARPS = 4  # the consumer warpgroup (the default partition); the producer an
 STAGES = gl.constexpr(2)  # float16 ring slots: the producer fills one while the consumer reads the other
 G = gl.constexpr(R // 128)  # a token's scale groups
 HALF = gl.constexpr(32)  # keys a raw slot holds: half a tile
-# E4M3 bytes of a row a TMA box carries: four boxes a row. 128-byte boxes ran 3-4% faster than 64-byte ones (whose
-# widening is free of bank conflicts, where a 128-byte piece's float16 stores have one: gl.bank_conflicts), with
+# E4M3 bytes of a row a TMA box carries: four boxes a row. 128-byte boxes ran 3-4% faster than 64-byte ones, with
 # half the copies and half the producer's barriers (H200, RESULTS.md issue 8, twenty-ninth session).
 PIECE = gl.constexpr(128)
 HALF_BYTES = gl.constexpr(HALF * (R + 2 * P + 4 * G))  # a raw slot's bytes: 32 rows of 656
@@ -99,10 +98,14 @@ def _load_rows(raw_lat, first, L: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(kh, lat, live):
-    """Widen a half tile's pieces to float16 (zeros where not live) into its [HALF, R] rows of the ring slot."""
+def _store_rows(kh, lat, live, MASKED: gl.constexpr):
+    """Widen a half tile's pieces to float16 into its [HALF, R] rows of the ring slot; MASKED: zeros where not live.
+    (The mask costs two thirds of the producer's instructions: each float16 pair is split, selected and repacked.)"""
     for c in gl.static_range(R // PIECE):
-        kh.slice(c * PIECE, PIECE, dim=1).store(gl.where(live, lat[c].to(gl.float16), 0.0))
+        if MASKED:
+            kh.slice(c * PIECE, PIECE, dim=1).store(gl.where(live, lat[c].to(gl.float16), 0.0))
+        else:
+            kh.slice(c * PIECE, PIECE, dim=1).store(lat[c].to(gl.float16))
 
 
 @gluon.jit
@@ -125,7 +128,11 @@ def _store_half(kh, kpe, scl_rows, half, start, kv_end, HH: gl.constexpr, n, n2,
     the rope keys, the scales as [G, HALF] columns; zeros for keys past kv_end."""
     lat, pe, sc = half
     first = start + HH * HALF
-    _store_rows(kh.slice(HH * HALF, HALF, dim=0), lat, (first + n < kv_end)[:, None])
+    rows = kh.slice(HH * HALF, HALF, dim=0)
+    if first + HALF <= kv_end:  # every key live: all but an item's last half tile
+        _store_rows(rows, lat, None, False)
+    else:
+        _store_rows(rows, lat, (first + n < kv_end)[:, None], True)
     kpe.slice(HH * HALF, HALF, dim=0).store(gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
     scl_rows.slice(HH * HALF, HALF, dim=1).store(gl.permute(gl.where((first + n3 < kv_end)[:, None], sc, 0.0), (1, 0)))
 
@@ -139,7 +146,11 @@ def _widen(kh_ring, kpe_ring, scl_ring, full, empty, raw_lat, raw_pe, raw_sc, ra
     (Reading both halves before the wait for the ring slot ran 1% slower: H200, RESULTS.md issue 8.) Keys past
     kv_end are zeros (a masked key's value times its zero probability stays 0, where the cache's stale bytes
     could be NaN)."""
-    DQ_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # [HALF, PIECE]: a quarter warp a row
+    # [HALF, PIECE], half a warp a row, 8 bytes a thread: a half warp's 8-byte loads take a row's 128 bytes, a quarter
+    # warp's 16-byte float16 stores a swizzled 128-byte row of the ring, both free of bank conflicts
+    # (gl.bank_conflicts). 16 bytes a thread made the stores 2-way conflicted (8 threads a row) or the loads (4):
+    # 11% and 5% slower at 32 x 65536 x 16 (H200, RESULTS.md issue 8, thirtieth session).
+    DQ_L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     PE_L: gl.constexpr = copy_layout("pe", 4)
     SC_L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])  # [HALF, G]: one scale a thread
     n = gl.arange(0, HALF, layout=gl.SliceLayout(1, DQ_L))

@@ -208,9 +208,9 @@ def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     warpgroup) rather than the one-warpgroup kernel. DEEPINFER_MLA_KT_WS: "0" never, "1" always (tests, A/B
     runs); by default only while a CUDA graph is captured. Triton 3.6 encodes the kernel's three TMA descriptors
     on every launch: an eager call took 280 against 161 us of host time (H200 host, 1 x 1024 keys x 16 heads),
-    which a graph pays once. H200 (2026-12-02), mla_decode.py 16 heads, graph replay, against the one-warpgroup
-    kernel in the same call: 128 x 4096 keys 0.164 vs 0.203 ms, 32 x 65536 0.583 vs 0.729, 64 x 4096 0.091 vs
-    0.112, 1 x 16384 0.0188 vs 0.0201 (RESULTS.md, issue 8, twenty-ninth session)."""
+    which a graph pays once. H200, mla_decode.py 16 heads, graph replay, ms: 128 x 4096 keys 0.140, 32 x 65536
+    0.491, 64 x 4096 0.081, 1 x 16384 0.018 (thirtieth session); the one-warpgroup kernel 0.203, 0.729, 0.112,
+    0.0201 (twenty-ninth; RESULTS.md, issue 8)."""
     env = os.environ.get("DEEPINFER_MLA_KT_WS")
     if env == "0" or not spec.is_fp8 or not gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"):
         return False

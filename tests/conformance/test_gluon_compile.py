@@ -69,7 +69,8 @@ def test_keys_as_m_mla_kernel_compiles_for_sm90_without_spills(compiled, fp8):
 def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(compiled):
     """The E4M3 keys-as-M kernel with its loads in a TMA warp and its widening in a producer warpgroup: the
     consumer's MMAs as the one-warpgroup kernel's; the cache read only by TMA (a tile's two halves, six copies
-    each: four 128-byte row boxes, rope keys, scales); a thread's share of a tile widened; the partitions meeting
+    each: four 128-byte row boxes, rope keys, scales); a thread's share of a tile widened twice over (unmasked, and
+    masked for an item's last half tile); the partitions meeting
     at mbarriers (consumer: full; producer: the two raw slots and empty; loader: the raw slots' hand-backs) and
     synchronising each on its own named barrier; no stack."""
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_ws_kernels as W
@@ -81,7 +82,7 @@ def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(comp
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == 512 // 16 + 8 * 64 // 16
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * (512 // 128 + 2)
     assert ptx.count("cp.async") == ptx.count("cp.async.bulk.tensor")  # no pointer copies
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 64 * 512 // 128 // 2
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * (64 * 512 // 128 // 2)
     assert ptx.count("mbarrier.try_wait") == 1 + 3 + 2
     assert ptx.count("mbarrier.arrive.expect_tx") == 2 and ptx.count("mbarrier.arrive") == 2 + 1 + 3
     assert all(f"bar.sync \t{i}, 128" in ptx for i in (0, 2))  # the consumer's and the producer's own barrier
