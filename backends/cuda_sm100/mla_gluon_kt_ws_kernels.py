@@ -129,12 +129,16 @@ def _store_half(kh, kpe, scl_rows, half, start, kv_end, HH: gl.constexpr, n, n2,
     lat, pe, sc = half
     first = start + HH * HALF
     rows = kh.slice(HH * HALF, HALF, dim=0)
+    pe_rows = kpe.slice(HH * HALF, HALF, dim=0)
+    sc_cols = scl_rows.slice(HH * HALF, HALF, dim=1)
     if first + HALF <= kv_end:  # every key live: all but an item's last half tile
         _store_rows(rows, lat, None, False)
+        pe_rows.store(pe)
+        sc_cols.store(gl.permute(sc, (1, 0)))
     else:
         _store_rows(rows, lat, (first + n < kv_end)[:, None], True)
-    kpe.slice(HH * HALF, HALF, dim=0).store(gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
-    scl_rows.slice(HH * HALF, HALF, dim=1).store(gl.permute(gl.where((first + n3 < kv_end)[:, None], sc, 0.0), (1, 0)))
+        pe_rows.store(gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
+        sc_cols.store(gl.permute(gl.where((first + n3 < kv_end)[:, None], sc, 0.0), (1, 0)))
 
 
 @gluon.jit
