@@ -15,7 +15,10 @@ partitions meeting at mbarriers:
 
 Before TMA, two producer warpgroups (one a ring slot) loaded the tiles into registers themselves: without the
 consumer's MMAs they streamed at only 0.63 of HBM read at 32 x 65536 x 16, the L1 the busiest unit (ncu), and the
-whole kernel ran 20% slower at 4096 keys and 7% at 65536 (RESULTS.md issue 8, twenty-ninth session).
+whole kernel ran 20% slower at 4096 keys and 7% at 65536 (RESULTS.md issue 8, twenty-ninth session). Now (ncu,
+32 x 65536 x 16) shared memory is the busiest unit (L1/TEX 82%): a tile's wgmma operands (~172 KB), float16 stores
+(~77 KB), raw reads (~47 KB) and TMA writes (~41 KB) would take ~0.38 ms at its full rate, against 0.36 ms for HBM
+at 0.90 of its read rate; HBM runs at 0.69 (RESULTS.md issue 8, thirtieth session).
 Shared memory: queries 18 KiB, ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB, raw slots 41 KiB: 213 KiB, one
 program an SM. Arguments: the keys-as-M kernels' contract (mla_launch.launch_gluon_kt) with the cache as three
 TMA descriptors (mla_launch.e4m3_descriptors). GPU only (Gluon).
@@ -183,7 +186,9 @@ def _consumer(q16_smem, qpe_smem, kh_ring, kpe_ring, scl_ring, p_smem, full, emp
     """mla_attn_gluon_kt_e4m3_kernel's loop on the producer's ring: scores with the scales on them, the column
     softmax, scaled probabilities, outputs; then the output rows and log-sum-exp. (Starting tile t + 1's score
     MMAs before tile t's softmax, which waits for t + 1's slot first, lost 5-12% on the H200 with the register-
-    loading producers: tile t's slot is released later, and the producers wait on it.)"""
+    loading producers: tile t's slot is released later, and the producers wait on it. Waiting for tile t's output
+    MMAs together with tile t + 1's score MMAs lost 2.5% for the same reason; waiting for the output MMAs alone
+    with wait_group 5 there makes ptxas serialise every wgmma, C7514.)"""
     PE_L: gl.constexpr = copy_layout("pe", 4)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
