@@ -103,7 +103,7 @@ def _load_rows(raw_lat, first, L: gl.constexpr):
 @gluon.jit
 def _store_rows(kh, lat, live, MASKED: gl.constexpr):
     """Widen a half tile's pieces to float16 into its [HALF, R] rows of the ring slot; MASKED: zeros where not live.
-    (The mask costs two thirds of the producer's instructions: each float16 pair is split, selected and repacked.)"""
+    (The mask took ~70% of the producer's instructions: each float16 pair split, selected and repacked.)"""
     for c in gl.static_range(R // PIECE):
         if MASKED:
             kh.slice(c * PIECE, PIECE, dim=1).store(gl.where(live, lat[c].to(gl.float16), 0.0))

@@ -208,8 +208,8 @@ def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     warpgroup) rather than the one-warpgroup kernel. DEEPINFER_MLA_KT_WS: "0" never, "1" always (tests, A/B
     runs); by default only while a CUDA graph is captured. Triton 3.6 encodes the kernel's three TMA descriptors
     on every launch: an eager call took 280 against 161 us of host time (H200 host, 1 x 1024 keys x 16 heads),
-    which a graph pays once. H200, mla_decode.py 16 heads, graph replay, ms: 128 x 4096 keys 0.140, 32 x 65536
-    0.491, 64 x 4096 0.081, 1 x 16384 0.018 (thirtieth session); the one-warpgroup kernel 0.203, 0.729, 0.112,
+    which a graph pays once. H200, mla_decode.py 16 heads, graph replay, ms: 128 x 4096 keys 0.137, 32 x 65536
+    0.476, 64 x 4096 0.080, 1 x 16384 0.018 (thirtieth session); the one-warpgroup kernel 0.203, 0.729, 0.112,
     0.0201 (twenty-ninth; RESULTS.md, issue 8)."""
     env = os.environ.get("DEEPINFER_MLA_KT_WS")
     if env == "0" or not spec.is_fp8 or not gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"):

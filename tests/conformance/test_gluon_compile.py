@@ -70,9 +70,9 @@ def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(comp
     """The E4M3 keys-as-M kernel with its loads in a TMA warp and its widening in a producer warpgroup: the
     consumer's MMAs as the one-warpgroup kernel's; the cache read only by TMA (a tile's two halves, six copies
     each: four 128-byte row boxes, rope keys, scales); a thread's share of a tile widened twice over (unmasked, and
-    masked for an item's last half tile); the partitions meeting
-    at mbarriers (consumer: full; producer: the two raw slots and empty; loader: the raw slots' hand-backs) and
-    synchronising each on its own named barrier; no stack."""
+    masked for an item's last half tile); the partitions meeting at mbarriers (consumer: full; producer: the two
+    raw slots and empty; loader: the raw slots' hand-backs) and synchronising each on its own named barrier; no
+    stack."""
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_ws_kernels as W
 
     case = compiled["mla-kt-ws"]
