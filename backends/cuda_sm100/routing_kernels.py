@@ -264,19 +264,20 @@ def gatherable_rows(y):
 
 
 @triton.jit
-def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_o, stride_a, K: tl.constexpr,
-                   BH: tl.constexpr, ADD: tl.constexpr, EXACT: tl.constexpr = False, PDL: tl.constexpr = False):
+def combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, add_ptr, T, H, stride_y, stride_o, stride_a, K: tl.constexpr,
+                   BT: tl.constexpr, BH: tl.constexpr, ADD: tl.constexpr, EXACT: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """out[t] = add[t] (ADD: the shared experts' output) + sum_j w[t, j] * y[row[t, j]] (weighted_rows_sum), one
-    program per (token, column block): the gather, weighting and reduction of a local MoE combine in one launch."""
+    program per (BT tokens, column block): the gather, weighting and reduction of a local MoE combine in one launch."""
     enter(PDL)
-    t = tl.program_id(0) + tl.arange(0, 1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    m = (cols < H)[None, :] & (t[:, None] >= 0)
+    m = (cols < H)[None, :] & (t < T)[:, None]
     if ADD:
         acc = tl.load(add_ptr + t.to(tl.int64)[:, None] * stride_a + cols[None, :], mask=m, other=0.0).to(tl.float32)
     else:
-        acc = tl.zeros([1, BH], dtype=tl.float32)
-    pair_rows, pair_weights = expert_pairs(row_ptr, w_ptr, t, t >= 0, K)
+        acc = tl.zeros([BT, BH], dtype=tl.float32)
+    pair_rows, pair_weights = expert_pairs(row_ptr, w_ptr, t, t < T, K)
     acc = weighted_rows_sum(y_ptr, pair_rows, pair_weights, acc, cols, m, stride_y, K)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + cols[None, :], _cast(acc, out_ptr.dtype.element_ty, EXACT),
              mask=m)
