@@ -101,17 +101,6 @@ def _load_rows(raw_lat, first, L: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(kh, lat, live, MASKED: gl.constexpr):
-    """Widen a half tile's pieces to float16 into its [HALF, R] rows of the ring slot; MASKED: zeros where not live.
-    (The mask took ~70% of the producer's instructions: each float16 pair split, selected and repacked.)"""
-    for c in gl.static_range(R // PIECE):
-        if MASKED:
-            kh.slice(c * PIECE, PIECE, dim=1).store(gl.where(live, lat[c].to(gl.float16), 0.0))
-        else:
-            kh.slice(c * PIECE, PIECE, dim=1).store(lat[c].to(gl.float16))
-
-
-@gluon.jit
 def _read_half(raw_lat, raw_pe, raw_sc, raw_full, raw_empty, t, HH: gl.constexpr, DQ_L: gl.constexpr,
                PE_L: gl.constexpr, SC_L: gl.constexpr):
     """Tile t's half HH from its raw slot into registers (E4M3 rows as four pieces, rope keys, scales), then the
@@ -126,22 +115,34 @@ def _read_half(raw_lat, raw_pe, raw_sc, raw_full, raw_empty, t, HH: gl.constexpr
 
 
 @gluon.jit
-def _store_half(kh, kpe, scl_rows, half, start, kv_end, HH: gl.constexpr, n, n2, n3):
-    """A half tile (keys start + HH * HALF, ...) into its rows of a ring slot: the E4M3 rows widened to float16,
-    the rope keys, the scales as [G, HALF] columns; zeros for keys past kv_end."""
+def _store_parts(rows, pe_rows, sc_cols, half, first, kv_end, n, n2, n3, MASKED: gl.constexpr):
+    """A half tile's registers (keys first, ...) into its ring slot rows: the E4M3 rows widened to float16, the rope
+    keys, the scales transposed; MASKED: zeros for keys past kv_end. (The mask took ~70% of the producer's
+    instructions: each float16 pair split, selected and repacked; so only an item's last half tile takes it.)"""
     lat, pe, sc = half
+    for c in gl.static_range(R // PIECE):
+        x = lat[c].to(gl.float16)
+        if MASKED:
+            x = gl.where((first + n < kv_end)[:, None], x, 0.0)
+        rows.slice(c * PIECE, PIECE, dim=1).store(x)
+    if MASKED:
+        pe = gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16)
+        sc = gl.where((first + n3 < kv_end)[:, None], sc, 0.0)
+    pe_rows.store(pe)
+    sc_cols.store(gl.permute(sc, (1, 0)))
+
+
+@gluon.jit
+def _store_half(kh, kpe, scl_rows, half, start, kv_end, HH: gl.constexpr, n, n2, n3):
+    """A half tile (keys start + HH * HALF, ...) into its rows of a ring slot (_store_parts), masked only where a
+    key is past kv_end."""
     first = start + HH * HALF
-    rows = kh.slice(HH * HALF, HALF, dim=0)
-    pe_rows = kpe.slice(HH * HALF, HALF, dim=0)
-    sc_cols = scl_rows.slice(HH * HALF, HALF, dim=1)
+    parts = (kh.slice(HH * HALF, HALF, dim=0), kpe.slice(HH * HALF, HALF, dim=0),
+             scl_rows.slice(HH * HALF, HALF, dim=1))
     if first + HALF <= kv_end:  # every key live: all but an item's last half tile
-        _store_rows(rows, lat, None, False)
-        pe_rows.store(pe)
-        sc_cols.store(gl.permute(sc, (1, 0)))
+        _store_parts(*parts, half, first, kv_end, n, n2, n3, False)
     else:
-        _store_rows(rows, lat, (first + n < kv_end)[:, None], True)
-        pe_rows.store(gl.where((first + n2 < kv_end)[:, None], pe, 0.0).to(gl.bfloat16))
-        sc_cols.store(gl.permute(gl.where((first + n3 < kv_end)[:, None], sc, 0.0), (1, 0)))
+        _store_parts(*parts, half, first, kv_end, n, n2, n3, True)
 
 
 @gluon.jit
