@@ -14,7 +14,8 @@ Printed, per precision:
   length are prefilled through the engine, then the engine's own steps (scheduling, CUDA-graph replay,
   sampling) are timed until every request has generated --gen tokens; next to the roofline: the bytes each
   step must read (weights of the attention, dense and shared layers, the routed experts a batch of that size
-  touches in expectation, the LM head, and the latent cache) over the measured HBM bandwidth;
+  touches in expectation, the LM head (bf16 in both precisions, as DeepSeek's FP8 checkpoints store it and the
+  loader keeps it), and the latent cache) over the measured HBM bandwidth;
 - time to first token for 4k and 32k prompts, next to the FLOP floor (linear layers + causal attention in
   the decompressed form) at the measured bf16 matmul rate;
 - per decode cell also the median wall time of one engine step and the GPU time of one graph replay
@@ -87,11 +88,14 @@ class Shape:
                 + 2 * self.vocab * self.hidden)
 
     def decode_bytes(self, batch: int, context: int, weight_bytes: float) -> float:
-        """Bytes one decode step must read: every weight the batch touches once, and each sequence's cache."""
+        """Bytes one decode step must read: every projection the batch touches once at weight_bytes a value, the
+        LM head at 2 (bf16 in every precision: DeepSeek's FP8 checkpoints keep it so, and it is no quantised
+        projection here either), the batch's embedding rows, and each sequence's cache."""
         touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)  # expected distinct experts
         params = (self.layers * self.attn + self.dense_layers * self.dense_mlp
-                  + self.moe_layers * (touched + self.shared) * self.expert + self.vocab * self.hidden)
-        return params * weight_bytes + batch * self.hidden * 2 + batch * context * self.layers * self.cache_bytes_per_token
+                  + self.moe_layers * (touched + self.shared) * self.expert)
+        return (params * weight_bytes + self.vocab * self.hidden * 2 + batch * self.hidden * 2
+                + batch * context * self.layers * self.cache_bytes_per_token)
 
     def prefill_flops(self, tokens: int) -> float:
         linear = 2 * tokens * (self.layers * self.attn + self.dense_layers * self.dense_mlp
