@@ -16,9 +16,10 @@ partitions meeting at mbarriers:
 Before TMA, two producer warpgroups (one a ring slot) loaded the tiles into registers themselves: without the
 consumer's MMAs they streamed at only 0.63 of HBM read at 32 x 65536 x 16, the L1 the busiest unit (ncu), and the
 whole kernel ran 20% slower at 4096 keys and 7% at 65536 (RESULTS.md issue 8, twenty-ninth session). Now (ncu,
-32 x 65536 x 16) shared memory is the busiest unit (L1/TEX 82%): a tile's wgmma operands (~172 KB), float16 stores
-(~77 KB), raw reads (~47 KB) and TMA writes (~41 KB) would take ~0.38 ms at its full rate, against 0.36 ms for HBM
-at 0.90 of its read rate; HBM runs at 0.69 (RESULTS.md issue 8, thirtieth session).
+32 x 65536 x 16) shared memory is the busiest unit (L1/TEX 82%, ~337 KB a tile), yet not the bound: scores from
+registers in the producer cut that by a quarter and ran no faster (0.467-0.48 against 0.47 ms; branch
+tried/kt-ws-scores-in-registers). The tile's chain of hand-offs is, with one raw tile and two ring slots in
+shared memory (RESULTS.md issue 8, thirtieth and thirty-first sessions).
 Shared memory: queries 18 KiB, ring 2 x (64 + 8 + 1) KiB, probabilities 8 KiB, raw slots 41 KiB: 213 KiB, one
 program an SM. Arguments: the keys-as-M kernels' contract (mla_launch.launch_gluon_kt) with the cache as three
 TMA descriptors (mla_launch.e4m3_descriptors). GPU only (Gluon).
