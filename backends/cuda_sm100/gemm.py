@@ -246,6 +246,12 @@ def _launch(a, a_scale, weight: LinearWeight, out, *, layout: int, sizes, m: int
             and gemm_gluon.fp8_ws_usable(a, a_scale, weight.data, weight.scale, out, m, groups if layout else 0)):
         gemm_gluon.launch_fp8_ws(a, a_scale, weight.data, weight.scale, out, group_sizes=sizes if layout else None)
         return out
+    # ... and a one-row-tile matrix where its persistent loop beats the tile kernel (gemm_gluon.small_m_split).
+    if layout == 0 and b_kind == 1 and not fused and cfg is None and not invariant and out_scale is None:
+        split = gemm_gluon.small_m_split(a, a_scale, weight.data, weight.scale, out, m, _num_sms(a.device))
+        if split:
+            gemm_gluon.launch_fp8_ws(a, a_scale, weight.data, weight.scale, out, consumers=2, split=split)
+            return out
     # A decode step's few E4M3 rows: the weights-as-M kernel (its E4M3 wgmmas convert no weight).
     if (layout in (0, 1) and cfg is None and not invariant and out_scale is None and tile_n is None
             and (not fused or round_dtype in (None, out.dtype)) and WM.usable(a, a_scale, weight, fused)):

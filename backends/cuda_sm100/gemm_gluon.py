@@ -1,7 +1,8 @@
 """When and how an FP8 GEMM runs on gemm_gluon_kernels' warp-specialised kernel (Hopper, large M): one matrix,
-or the contiguous grouped layout (MoE prefill) with enough rows per group.
+or the contiguous grouped layout (MoE prefill) with enough rows per group; and, under graph capture, a matrix of one
+128-row tile at very long or very short K (`small_m_split`), long K in two K slices.
 
-gemm._launch asks `fp8_ws_usable`; everything else (small M or small groups, the masked layout, fused epilogues,
+gemm._launch asks `fp8_ws_usable`, then `small_m_split`; everything else (small M or small groups, the masked layout, fused epilogues,
 bf16 and NVFP4 weights, batch-invariant mode) stays on gemm_kernels' tile kernel. DEEPINFER_GEMM_GLUON=0 forces
 the tile kernel (A/B benchmarks).
 """
@@ -46,6 +47,33 @@ def fp8_ws_usable(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor
     return all(_aligned(t) for t in (a, w, out)) and gluon_gate.runs_on(a.device, "gemm_gluon_kernels")
 
 
+# Below MIN_ROWS, one matrix of SMALL_M_ROWS rows (one 128-row tile high, both consumers busy) runs here where the
+# tile kernel lost on the H200 (benchmarks/RESULTS.md issue 9, thirty-second session; M = 128, TFLOPS, tile kernel /
+# this kernel / cuBLAS row-wise FP8, gemm.py): long K, 7168 x 16384 528 / 540 (two K slices) / 592; short K,
+# 32768 x 512 258 / 306 / 305. At middle K (1536-7168) the tile kernel led by 4-90% (one probe call), and stays.
+SMALL_M_ROWS = (65, 128)
+LONG_K = 8192
+SHORT_K = 512
+
+
+def small_m_split(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
+                  out: torch.Tensor, m: int, sms: int) -> int:
+    """K slices (>= 1) for a one-matrix call below MIN_ROWS that this kernel takes (SMALL_M_ROWS rows, long K:
+    two slices when twice the tiles still fit one wave; very short K with a wave of tiles or more); 0 for the
+    tile kernel. Only while a CUDA graph is captured: eager calls at these sizes are host-bound, and the
+    descriptors' host time is paid there once."""
+    lo, hi = SMALL_M_ROWS
+    if not lo <= m <= hi or w.dim() != 2 or not torch.cuda.is_current_stream_capturing():
+        return 0
+    if not fp8_ws_usable(a, a_scale, w, w_scale, out, MIN_ROWS):
+        return 0
+    n, k = w.shape
+    tiles = quant.cdiv(n, 128)
+    if k >= LONG_K:
+        return 2 if 2 * tiles <= sms else 1
+    return 1 if k <= SHORT_K and tiles >= sms else 0
+
+
 def choose_consumers(m: int, n: int, k: int, sms: int) -> int:
     """Consumer warpgroups a CTA (tile height 64 x that): the larger last-wave fill, three weighted by speed.
 
@@ -77,11 +105,13 @@ def _launch_constants(device: torch.device, out_dtype: torch.dtype):
 
 
 def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                  out: torch.Tensor, group_sizes: torch.Tensor | None = None, consumers: int | None = None) -> None:
+                  out: torch.Tensor, group_sizes: torch.Tensor | None = None, consumers: int | None = None,
+                  split: int = 1) -> None:
     """out = (a x a_scale) @ (w x w_scale)^T on the persistent warp-specialised kernel (one CTA per SM).
 
     With group_sizes (on the device: no host sync, graph-capturable), w is [G, N, K] and a's rows are sorted by
-    group; a tile map kernel first gives each row tile its group and rows.
+    group; a tile map kernel first gives each row tile its group and rows. split > 1 (one matrix): each tile's K
+    blocks in that many slices, their float32 partials summed by splitk_reduce_kernel (split_for's calls).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -105,12 +135,20 @@ def launch_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
         gemm_kernels.group_tile_map_kernel[(m_tiles,)](group_sizes, tmap, m, groups, m_tiles, BM=bm,
                                                        G_P=quant.next_pow2(groups))
         bsg = w_scale.stride(0)
+    split = split if group_sizes is None else 1
     w2 = w.reshape(-1, k)
-    G.fp8_gemm_ws_kernel[(min(m_tiles * quant.cdiv(n, bn), sms),)](
+    partials = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    G.fp8_gemm_ws_kernel[(min(m_tiles * quant.cdiv(n, bn) * split, sms),)](
         TensorDescriptor(a, a.shape, a.stride(), [half, bk], al),
         TensorDescriptor(w2, w2.shape, w2.stride(), [bn, bk], bl),
-        TensorDescriptor(out, out.shape, out.stride(), [half, bn], cl), out, out.stride(0), a_scale, a_scale.stride(0),
-        a_scale.stride(1), w_scale, bsg, w_scale.stride(-2), w_scale.stride(-1), tmap, m, n, k, m_tiles,
-        GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs,
-        LAYOUT=0 if group_sizes is None else 1, num_warps=G.NUM_WARPS, maxnreg=maxnreg,
+        TensorDescriptor(out, out.shape, out.stride(), [half, bn], cl), partials, partials.stride(-2),
+        m * n, a_scale, a_scale.stride(0), a_scale.stride(1), w_scale, bsg, w_scale.stride(-2), w_scale.stride(-1),
+        tmap, m, n, k, m_tiles, GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs,
+        LAYOUT=0 if group_sizes is None else 1, SPLIT=split, num_warps=G.NUM_WARPS, maxnreg=maxnreg,
     )
+    if split > 1:
+        from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+
+        block = 1024
+        gemm_kernels.splitk_reduce_kernel[(quant.cdiv(m * n, block),)](partials, out, m * n, SPLIT_K=split,
+                                                                       BLOCK=block, EXACT=False, **launch_kwargs())

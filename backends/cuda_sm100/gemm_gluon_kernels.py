@@ -62,8 +62,19 @@ def _tile(tile, shape, GROUP_M: gl.constexpr, BM: gl.constexpr, LAYOUT: gl.const
 
 
 @gluon.jit
+def _k_range(item, tiles, k_iters, SPLIT: gl.constexpr):
+    """Work item -> (tile, split, first K block, end K block): SPLIT consecutive slices of a tile's K blocks, the
+    items of one slice for every tile before the next slice's (SPLIT 1: the tile and all its blocks)."""
+    if SPLIT == 1:
+        return item, 0, 0, k_iters
+    tile = item % tiles
+    split = item // tiles
+    return tile, split, split * k_iters // SPLIT, (split + 1) * k_iters // SPLIT
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M: gl.constexpr,
-              CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr):
+              CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr, SPLIT: gl.constexpr):
     """A tile is CONSUMERS 64-row pieces, one ring per consumer (a2, sa2 unused with two). With each K block's
     pieces go their a_scale rows (the sa rings) and the block's b_scale (the sb ring, copied to all 64 columns so
     that it reads back in the rows' layout).
@@ -82,12 +93,14 @@ def _producer(a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GR
     k_iters = gl.cdiv(K, BK)
     nbytes: gl.constexpr = (BM + BN) * BK  # e4m3: one byte an element
     i = 0
-    for tile in range(gl.program_id(0), m_tiles * gl.cdiv(N, BN), gl.num_programs(0)):
+    tiles = m_tiles * gl.cdiv(N, BN)
+    for item in range(gl.program_id(0), tiles * SPLIT, gl.num_programs(0)):
+        tile, split, kb_lo, kb_hi = _k_range(item, tiles, k_iters, SPLIT)
         g, row0, row_end, pid_n = _tile(tile, shape, GROUP_M, BM, LAYOUT)
         if row0 < row_end:
             b_row = g * N + pid_n * BN  # B viewed as [groups * N, K]
             sb_ptrs = bs_ptr + g * stride_bsg + pid_n * stride_bsn + r * 0
-            for kk in range(k_iters):
+            for kk in range(kb_lo, kb_hi):
                 s = i % STAGES
                 # mbarriers start as if phase 1 had completed: the first pass over the ring does not wait.
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -135,7 +148,7 @@ def _store(acc, out, row0, row_end, col0, N, W: gl.constexpr):
     """This warpgroup's [64, 128] output through its shared-memory tile: a TMA store (clipped at the tensor's
     edges) where all 64 rows are the tile's, else (a group's last rows; the next rows are another group's)
     row-masked stores."""
-    c_desc, c_smem, c_ptr, stride_cm = out
+    c_desc, c_smem, c_ptr, stride_cm, stride_cw = out
     c_half = c_smem.index(W)
     tma.store_wait(0)  # this warpgroup's last store has left c_half
     c_half.store(acc.to(c_desc.dtype))
@@ -151,8 +164,19 @@ def _store(acc, out, row0, row_end, col0, N, W: gl.constexpr):
 
 
 @gluon.jit
+def _store_partial(acc, out, split, row0, row_end, col0, N, L: gl.constexpr):
+    """This warpgroup's [64, 128] float32 partial of K slice `split`, straight from registers into the split-K
+    workspace (out's c_ptr: [SPLIT, M, N], slices stride_cw apart; rows past row_end are not stored)."""
+    c_desc, c_smem, c_ptr, stride_cm, stride_cw = out
+    r = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, L))
+    c = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
+    ptrs = c_ptr + split.to(gl.int64) * stride_cw + r.to(gl.int64)[:, None] * stride_cm + c[None, :]
+    gl.store(ptrs, acc, mask=(r < row_end)[:, None] & (c < N)[None, :])
+
+
+@gluon.jit
 def _consumer(a_bufs, sa, ring, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, LAYOUT: gl.constexpr,
-              W: gl.constexpr):
+              W: gl.constexpr, SPLIT: gl.constexpr):
     """Warpgroup W's 64 rows (its own rings a_bufs of A pieces and sa of their scales) of every tile this CTA takes.
 
     Two consumers: two K blocks a wait (both MMAs, into two partials, back to back; then both promote). Three: one
@@ -171,20 +195,23 @@ def _consumer(a_bufs, sa, ring, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl
     p0 = gl.zeros([HALF, BN], gl.float32, L)
     p1 = gl.zeros([HALF, BN], gl.float32, L)
     i = 0
-    for tile in range(gl.program_id(0), m_tiles * gl.cdiv(N, BN), gl.num_programs(0)):
+    tiles = m_tiles * gl.cdiv(N, BN)
+    for item in range(gl.program_id(0), tiles * SPLIT, gl.num_programs(0)):
+        tile, split, kb_lo, kb_hi = _k_range(item, tiles, k_iters, SPLIT)
+        n_k = kb_hi - kb_lo
         g, row0, row_end, pid_n = _tile(tile, shape, GROUP_M, BM, LAYOUT)
         row0 += W * HALF
         if row0 >= row_end and row0 < row_end + W * HALF:
             # The tile has rows but none of this warpgroup's (a group's or the matrix's last tile): skip the MMAs,
             # still take each K block's buffers in turn (after they land: the producer reuses them).
-            for kk in range(k_iters):
+            for kk in range(n_k):
                 mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
                 i += 1
         elif row0 < row_end:
             acc = gl.zeros([HALF, BN], gl.float32, L)
             if PAIRS:
-                for kk in range(0, k_iters - 1, 2):
+                for kk in range(0, n_k - 1, 2):
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     t1 = _start_mma(a_bufs, b_bufs, ready, i + 1, p1)
                     # Scales read under the MMAs, before the slots are released: +2-3% on the H200. Three
@@ -197,7 +224,7 @@ def _consumer(a_bufs, sa, ring, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl
                     acc += p0 * s0[:, None]
                     acc += p1 * s1[:, None]
                     i += 2
-                if k_iters % 2 == 1:  # the last block alone
+                if n_k % 2 == 1:  # the last block alone
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     s0 = _k_scale(sa, sb, i, ROW)
                     p0 = warpgroup_mma_wait(0, deps=[t0])
@@ -205,30 +232,35 @@ def _consumer(a_bufs, sa, ring, out, shape, GROUP_M: gl.constexpr, CONSUMERS: gl
                     acc += p0 * s0[:, None]
                     i += 1
             else:
-                for kk in range(k_iters):
+                for kk in range(n_k):
                     t0 = _start_mma(a_bufs, b_bufs, ready, i, p0)
                     p0 = warpgroup_mma_wait(0, deps=[t0])
                     s0 = _k_scale(sa, sb, i, ROW)
                     mbarrier.arrive(empty.index(i % STAGES), count=1)
                     acc += p0 * s0[:, None]
                     i += 1
-            _store(acc, out, row0, row_end, pid_n * BN, N, W)
+            if SPLIT == 1:
+                _store(acc, out, row0, row_end, pid_n * BN, N, W)
+            else:
+                _store_partial(acc, out, split, row0, row_end, pid_n * BN, N, L)
     tma.store_wait(0)
 
 
 # Every integer stays a runtime value: an argument the JIT specialised to a constant (a stride of 1) could not be
 # handed to the worker partitions.
-@gluon.jit(do_not_specialize=["stride_asm", "stride_ask", "stride_bsg", "stride_bsn", "stride_bsk", "stride_cm", "M",
-                              "N", "K", "m_tiles"])
-def fp8_gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg,
-                       stride_bsn, stride_bsk, tmap_ptr, M, N, K, m_tiles, GROUP_M: gl.constexpr,
+@gluon.jit(do_not_specialize=["stride_asm", "stride_ask", "stride_bsg", "stride_bsn", "stride_bsk", "stride_cm",
+                              "stride_cw", "M", "N", "K", "m_tiles"])
+def fp8_gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, stride_cw, as_ptr, stride_asm, stride_ask, bs_ptr,
+                       stride_bsg, stride_bsn, stride_bsk, tmap_ptr, M, N, K, m_tiles, GROUP_M: gl.constexpr,
                        CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       LAYOUT: gl.constexpr):
+                       LAYOUT: gl.constexpr, SPLIT: gl.constexpr = 1):
     """C [M, N] = (A [M, K] e4m3 x a_scale [M, K/128]) @ (B [G?, N, K] e4m3 x b_scale [G?, N/128, K/128])^T.
 
     Persistent over m_tiles x N/128 tiles (m_tiles: row tiles, or the tile map's entries for groups). The A
     descriptor's block is one consumer's [64, 128] piece, B's [128, 128] over the weight viewed as [G * N, K],
     C's [64, 128] (one matrix only; groups store through c_ptr).
+    SPLIT > 1 (one matrix): each tile's K blocks in SPLIT slices, each slice a work item whose float32 partial goes
+    to c_ptr, a [SPLIT, M, N] workspace (stride_cm = N, stride_cw = M * N), for splitk_reduce_kernel to sum.
     """
     a0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout)
     a1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout)
@@ -248,18 +280,20 @@ def fp8_gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, as_ptr, stride_
     fence_async_shared()
     ring = (b_bufs, ready, empty, sb)
     scales = (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bsg, stride_bsn, stride_bsk)
-    out = (c_desc, c_smem, c_ptr, stride_cm)
+    out = (c_desc, c_smem, c_ptr, stride_cm, stride_cw)
     shape = (M, N, K, m_tiles, tmap_ptr)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
-            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
-            (_consumer, (a2, sa2, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 2)),
-            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT)),
+            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0, SPLIT)),
+            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1, SPLIT)),
+            (_consumer, (a2, sa2, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 2, SPLIT)),
+            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT,
+                         SPLIT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0)),
-            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1)),
-            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT)),
+            (_consumer, (a0, sa0, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 0, SPLIT)),
+            (_consumer, (a1, sa1, ring, out, shape, GROUP_M, CONSUMERS, LAYOUT, 1, SPLIT)),
+            (_producer, (a_desc, b_desc, a0, a1, a2, sa0, sa1, sa2, ring, scales, shape, GROUP_M, CONSUMERS, LAYOUT,
+                         SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

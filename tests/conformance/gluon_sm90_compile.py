@@ -65,7 +65,7 @@ def mla_seesaw():
     return compile_sm90(S.mla_seesaw_kernel, mla_args(False), dict(PDL=True), S.NUM_WARPS, maxnreg=S.MAXNREG)
 
 
-def gemm(consumers: int, out_dtype: str, layout: int):
+def gemm(consumers: int, out_dtype: str, layout: int, split: int = 1):
     from triton.experimental.gluon import language as gl
 
     from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels as G
@@ -75,11 +75,12 @@ def gemm(consumers: int, out_dtype: str, layout: int):
     bl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
     cl = gl.NVMMASharedLayout.get_default_for([half, bn], {"bf16": gl.bfloat16, "fp16": gl.float16}[out_dtype])
     args = dict(a_desc=f"tensordesc<fp8e4nv[{half}, {bk}],{al!r}>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}],{bl!r}>",
-                c_desc=f"tensordesc<{out_dtype}[{half}, {bn}],{cl!r}>", c_ptr=f"*{out_dtype}", stride_cm=7168,
+                c_desc=f"tensordesc<{out_dtype}[{half}, {bn}],{cl!r}>", c_ptr="*fp32" if split > 1 else f"*{out_dtype}", stride_cm=7168,
+                stride_cw=4096 * 7168,
                 as_ptr="*fp32", stride_asm=1, stride_ask=4096, bs_ptr="*fp32", stride_bsg=56 * 56, stride_bsn=56,
                 stride_bsk=1, tmap_ptr="*i32", M=4096, N=7168, K=7168, m_tiles=32)
     stages, regs, maxnreg, _ = G.CONFIGS[consumers]
-    consts = dict(GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs, LAYOUT=layout)
+    consts = dict(GROUP_M=G.GROUP_M, CONSUMERS=consumers, STAGES=stages, CONSUMER_REGS=regs, LAYOUT=layout, SPLIT=split)
     return compile_sm90(G.fp8_gemm_ws_kernel, args, consts, G.NUM_WARPS, maxnreg=maxnreg)
 
 
@@ -100,6 +101,8 @@ def main() -> None:
         for out_dtype in ("bf16", "fp16"):
             for layout in (0, 1):
                 out[f"gemm-{consumers}-{out_dtype}-{layout}"] = report(gemm(consumers, out_dtype, layout))
+    split = gemm(2, "bf16", 0, split=2)
+    out["gemm-2-bf16-0-split2"] = {**report(split), **resource_usage(split)}
     print(json.dumps(out))
 
 

@@ -134,3 +134,48 @@ def test_gluon_fp8_gemm_replays_in_a_cuda_graph(dev, gen, grouped):
         replayed = out.clone()
         run()
         assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("m,k,n,split", [(100, 1088, 384, 2), (128, 1088, 2112, 3), (65, 2048, 256, 4)])
+def test_gluon_fp8_gemm_split_k_matches_float64_and_tile_kernel(dev, gen, m, k, n, split):
+    """K in slices (a partial last K block, uneven slices, ragged N), float32 partials summed by the reduction."""
+    from deepinfer.backends.cuda_sm100 import gemm, gemm_gluon
+
+    x = torch.randn(m, k, generator=gen)
+    w = LinearWeight.quantize(torch.randn(n, k, generator=gen) / k**0.5, "fp8_block").to(dev)
+    xq, xs = gemm.quantize_fp8(x.to(dev), column_major_scales=True)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    gemm_gluon.launch_fp8_ws(xq, xs, w.data, w.scale, out, consumers=2, split=split)
+    ref = quant.dequantize_fp8_per_token_group(xq.cpu(), xs.cpu()).double() @ w.to(torch.device("cpu")).dequantize().double().t()
+    assert _rel_err(out, ref) < 2e-3 + 2.0**-8
+    tile = gemm.fp8_gemm(xq, xs, w, cfg=gemm.pick_config(m, n, k, 1, 0, dev))
+    assert _rel_err(out, tile) < 2.0**-7
+
+
+def test_small_m_calls_take_the_split_kernel_under_capture(dev, gen):
+    """A 128-row matrix with long K: the tile kernel eagerly, two K slices of this kernel in a captured graph (whose
+    replays follow new inputs); both within the FP8 noise of each other."""
+    from deepinfer.backends.cuda_sm100 import gemm, gemm_gluon
+
+    m, k, n = 128, gemm_gluon.LONG_K, 256
+    w = LinearWeight.quantize(torch.randn(n, k, generator=gen) / k**0.5, "fp8_block").to(dev)
+    xq, xs = gemm.quantize_fp8(torch.randn(m, k, generator=gen).to(dev), column_major_scales=True)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    assert gemm_gluon.small_m_split(xq, xs, w.data, w.scale, out, m, 132) == 0  # eager: not taken
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm.fp8_gemm(xq, xs, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert gemm_gluon.small_m_split(xq, xs, w.data, w.scale, out, m, 132) == 2
+        graphed = gemm.fp8_gemm(xq, xs, w)
+    for _ in range(2):
+        q, s = gemm.quantize_fp8(torch.randn(m, k, generator=gen).to(dev), column_major_scales=True)
+        xq.copy_(q)
+        xs.copy_(s)
+        graph.replay()
+        ref = quant.dequantize_fp8_per_token_group(xq.cpu(), xs.cpu()).double() @ w.to(torch.device("cpu")).dequantize().double().t()
+        assert _rel_err(graphed, ref) < 2e-3 + 2.0**-8
+        assert _rel_err(graphed, gemm.fp8_gemm(xq, xs, w)) < 2.0**-7

@@ -120,3 +120,16 @@ def test_gluon_fp8_gemm_compiles_for_sm90_within_its_shared_memory(compiled, con
     assert "cp.async.mbarrier.arrive.noinc" in ptx
     if layout == 0:
         assert "ld.global" not in ptx
+
+
+def test_gluon_fp8_gemm_split_k_compiles_for_sm90(compiled):
+    """Split-K (small M, one matrix): the same rings and register split, float32 partials stored from registers
+    (no TMA store), no stack."""
+    from deepinfer.backends.cuda_sm100 import gemm_gluon_kernels as G
+
+    case = compiled["gemm-2-bf16-0-split2"]
+    assert case["shared"] < G.CONFIGS[2][3] and case["stack"] == 0  # (the output tiles are not allocated)
+    ptx = case["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert "st.global" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx  # no TMA store of a bf16 tile
