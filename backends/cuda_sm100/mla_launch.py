@@ -187,7 +187,9 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> Non
     grid = (items.shape[0] * row_tiles,)
     if seesaw_usable(spec, q_nope.device):
         S = gluon_gate.kernels("mla_seesaw_kernels")
-        S.mla_seesaw_kernel[grid](*args, num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
+        desc = seesaw_descriptor(views) if seesaw_tma_usable() else None
+        S.mla_seesaw_kernel[grid](*args, views[0] if desc is None else desc, TMA=desc is not None,
+                                  num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
         return
     G = gluon_gate.kernels("mla_gluon_kernels")
     G.mla_attn_gluon_kernel[grid](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
@@ -256,6 +258,27 @@ def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:
     """The Gluon MLA kernels' arguments (mla_attn_kernel's contract) up to their constexprs."""
     return (q_nope, q_pe, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), *views,
             plan.block_table, plan.block_table.stride(0), plan.meta, plan.meta.stride(0), items, *tail, row_tiles)
+
+
+def seesaw_tma_usable() -> bool:
+    """Whether the seesaw kernel copies key blocks by TMA (one thread's bulk copies, no proxy fences) rather than
+    by its warpgroups' cp.async. As for mla_gluon_kt_ws_kernels, Triton 3.6 encodes the descriptor on every
+    launch, which only a graph pays once: by default only while a CUDA graph is captured.
+    DEEPINFER_MLA_SEESAW_TMA: "0" never, "1" always (tests, A/B runs)."""
+    env = os.environ.get("DEEPINFER_MLA_SEESAW_TMA")
+    return env != "0" and (env == "1" or torch.cuda.is_current_stream_capturing())
+
+
+def seesaw_descriptor(views):
+    """The TMA descriptor of a bf16 cache's rows ([blocks x BS, 576]) in 64 x 64 boxes, for mla_seesaw_kernels; None
+    where blocks are not back to back or the base is not 16-byte aligned."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    S = gluon_gate.kernels("mla_seesaw_kernels")
+    lat, lat_sb, lat_st, bs = views[0], views[3], views[4], views[-1]
+    if lat_sb != bs * lat_st or not lat.is_contiguous() or lat.data_ptr() % 16:
+        return None
+    return TensorDescriptor(lat, [lat.shape[0] * bs, lat_st], [lat_st, 1], [S.BN.value, S.BOX.value], S.KV_SMEM.value)
 
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:

@@ -29,6 +29,11 @@ pair's reloads are waited on by the next pair's scores, so each warpgroup first 
 bulk prefetch a pair ahead): the reload then waits on L2, not HBM (8-9% faster at 128 heads on the H200,
 benchmarks/RESULTS.md). The prefetch is a hint: it assumes the bf16 cache's contiguous 576-value rows.
 
+Under a CUDA graph (mla_launch.seesaw_tma_usable) the parts come by TMA instead: one thread's bulk copies of
+64 x 64 boxes from the cache's [blocks x 64, 576] rows, no cp.async issue by 128 threads and no proxy fence before
+the wgmma that reads them (H200, 128 heads: 7-8% faster, benchmarks/RESULTS.md). TMA copies whole cache blocks, so
+a sequence's last block is zeroed past its end before a product reads it as values (_zero_tail).
+
 Same contract as mla_attn_kernel / mla_attn_gluon_kernel (work items, rows = query x head, causal positions,
 direct or partial outputs with log-sum-exp), for what mla_launch.seesaw_usable checks: bf16 queries and cache,
 rank 512, rope 64, tiles aligned to blocks of 64. GPU only (Gluon has no interpreter): the conformance tests run
@@ -41,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
@@ -58,10 +63,14 @@ WORKER_REGS = gl.constexpr(240)  # each warpgroup's registers: the worker's setm
 MAXNREG = 240
 SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange rows, the barriers, scratch
 
-# mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup). Exchanges: one.
+# mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup), or under TMA one
+# expect and the bytes. Exchanges: one arrival.
 _Q, _K0L, _K0RE, _K1R, _K1L, _K1E, _X0, _X1, _L0, _L1 = (gl.constexpr(b) for b in range(10))
 _NBARS = gl.constexpr(10)
 _HALF = gl.constexpr(256)
+BOX = gl.constexpr(64)  # channels a TMA box: one 128-byte swizzle row of bf16
+# The layout of the key buffers' 64-channel columns, which the host's TMA descriptor carries too.
+KV_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
 # Copy layouts (one warpgroup, 16-byte vectors along a row): latent halves, and rope rows.
 CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -86,25 +95,37 @@ def _key_rows(blk, start, kv_end, BS, sb, st, L: gl.constexpr):
 
 @gluon.jit
 def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constexpr, ROPE: gl.constexpr,
-               L: gl.constexpr, PL: gl.constexpr):
-    """Copy one part of the key block at `start` and signal `bar` when this thread's copies land: latent half
-    HALF (0 left, 1 right, -1 none) into dst_a, and with ROPE the rope keys into dst_b."""
-    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
-    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
-    if HALF >= 0:
-        rows, ok = _key_rows(blk, start, kv_end, BS, lat_sb, lat_st, L)
-        _copy_rows(dst_a, lat_ptr, rows, HALF * _HALF, ok, _HALF, L)
-    if ROPE:
-        prow, pok = _key_rows(blk, start, kv_end, BS, rope_sb, rope_st, PL)
-        _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
-    async_copy.mbarrier_arrive(bar, increment_count=False)
+               L: gl.constexpr, PL: gl.constexpr, TMA: gl.constexpr):
+    """Copy one part of the key block at `start` and signal `bar` when it lands: latent half HALF (0 left, 1
+    right, -1 none) into dst_a, and with ROPE the rope keys into dst_b. cp.async zero-fills keys past kv_end;
+    TMA copies the whole cache block (its tail is zeroed before a product, _zero_tail)."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc = cache
+    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
+    if TMA:
+        row = blk * BS + start % BS
+        mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + P * ROPE) * 2)
+        if HALF >= 0:
+            for c in gl.static_range(_HALF // BOX):
+                tma.async_copy_global_to_shared(kv_desc, [row, HALF * _HALF + c * BOX], bar,
+                                                dst_a.slice(c * BOX, BOX, dim=1))
+        if ROPE:
+            tma.async_copy_global_to_shared(kv_desc, [row, R], bar, dst_b)
+    else:
+        blk = blk.to(gl.int64)
+        if HALF >= 0:
+            rows, ok = _key_rows(blk, start, kv_end, BS, lat_sb, lat_st, L)
+            _copy_rows(dst_a, lat_ptr, rows, HALF * _HALF, ok, _HALF, L)
+        if ROPE:
+            prow, pok = _key_rows(blk, start, kv_end, BS, rope_sb, rope_st, PL)
+            _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
 def _prefetch_block(cache, bt_row, start, kv_end):
     """Ask L2 for the 64 keys at `start` (one contiguous [64, 576] bf16 run of the cache: a single bulk prefetch
-    from one thread), a pair ahead of their cp.async reload, so that reload waits on L2 instead of HBM."""
-    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off = cache
+    from one thread), a pair ahead of their reload, so that reload waits on L2 instead of HBM."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc = cache
     if start < kv_end:
         blk = gl.load(bt_row + start // BS).to(gl.int64)
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
@@ -114,18 +135,38 @@ def _prefetch_block(cache, bt_row, start, kv_end):
 
 
 @gluon.jit
-def _scores(a0, b0, bar0, a1, b1, bar1, a2, b2, bar2, bars, ph, zero):
+def _landed(bars, bar, ph, TMA: gl.constexpr):
+    """Wait for a part's copies; cp.async writes are generic-proxy, so order them before the wgmma's reads (TMA
+    writes through the async proxy, as the wgmma reads)."""
+    mbarrier.wait(bars.index(bar), ph)
+    if not TMA:
+        fence_async_shared()
+
+
+@gluon.jit
+def _scores(a0, b0, bar0, a1, b1, bar1, a2, b2, bar2, bars, ph, zero, TMA: gl.constexpr):
     """q K^T for one key block, part by part in the order their copies land (each part waits on its barrier)."""
-    mbarrier.wait(bars.index(bar0), ph)
-    fence_async_shared()  # cp.async writes are generic-proxy: order them before the wgmma's reads
+    _landed(bars, bar0, ph, TMA)
     s = warpgroup_mma(a0, b0.permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(bars.index(bar1), ph)
-    fence_async_shared()
+    _landed(bars, bar1, ph, TMA)
     s = warpgroup_mma(a1, b1.permute((1, 0)), s, is_async=True)
-    mbarrier.wait(bars.index(bar2), ph)
-    fence_async_shared()
+    _landed(bars, bar2, ph, TMA)
     s = warpgroup_mma(a2, b2.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
+def _zero_tail(v, start, kv_end, TMA: gl.constexpr, L: gl.constexpr):
+    """Zero a TMA-copied value half's keys past kv_end (what the cache holds there may be NaN, and 0 * NaN is NaN
+    in a product whose probabilities are 0). Only a sequence's last block has such keys; cp.async zero-fills."""
+    if TMA:
+        if start + BN > kv_end:
+            live = (start + gl.arange(0, BN, layout=gl.SliceLayout(1, L)) < kv_end)[:, None]
+            for c in gl.static_range(_HALF // BOX):  # a box at a time: the output holds 128 registers a thread
+                box = v.slice(c * BOX, BOX, dim=1)
+                box.store(gl.where(live, box.load(L), 0.0).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()  # the wgmma reads every warp's rows
 
 
 @gluon.jit
@@ -172,7 +213,8 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
 
 
 @gluon.jit
-def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, W: gl.constexpr):
+def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, W: gl.constexpr,
+               TMA: gl.constexpr):
     """Warpgroup W's side of the seesaw (W 0: left columns, even blocks; W 1: right columns, odd blocks)."""
     q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch = smem
     row0, H, qlen, slen, slot = pos_args
@@ -199,7 +241,8 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
         qe = q_e.index(z)
         _prefetch_block(cache, bt_row, start + 2 * BN, kv_end)  # this warpgroup's block of the next pair
         if W == 0:
-            s = _scores(ql, k_l.index(z), _K0L, qr, k_r.index(z), _K0RE, qe, k_e.index(z), _K0RE, bars, ph, zero)
+            s = _scores(ql, k_l.index(z), _K0L, qr, k_r.index(z), _K0RE, qe, k_e.index(z), _K0RE, bars, ph, zero,
+                        TMA)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             m0 = gl.maximum(m, gl.max(s, axis=1))
             p = gl.exp2(s - m0[:, None])
@@ -207,33 +250,35 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             scale = gl.exp2(m - m0)
             l = l * scale + gl.sum(p, axis=1)
             o = o * _rows(scale, O_L)
+            _zero_tail(k_l.index(z), start, kv_end, TMA, PE_L)
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_l.index(z), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # K0's left half is done with: the next pair's, in flight from now
                 gl.thread_barrier()
                 _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
-                           False, CP_L, PE_L)
+                           False, CP_L, PE_L, TMA)
             mbarrier.wait(bars.index(_X1), ph)
             m = xch.slice(BM, BM).load(gl.SliceLayout(1, S_L))
             scale = gl.exp2(m0 - m)
             l = l * scale
             o = o * _rows(scale, O_L)
             fence_async_shared()
+            _zero_tail(k_l.index(z + 1), start + BN, kv_end, TMA, PE_L)
             o = warpgroup_mma(p1_buf, k_l.index(z + 1), o, is_async=True)  # p1 . V1_L
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # the last use of K1's left half
                 gl.thread_barrier()
                 _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1L), cache, bt_row, start + 3 * BN,
-                           kv_end, 0, False, CP_L, PE_L)
+                           kv_end, 0, False, CP_L, PE_L, TMA)
         else:
             # Parts in the order they were freed: rope keys (after these scores), the left half (after warpgroup
             # 0's last product), the right half (after this warpgroup's own last product).
             s = _scores(qe, k_e.index(z + 1), _K1E, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph,
-                        zero)
+                        zero, TMA)
             if more:  # K1's rope keys are done with (p1 has a buffer of its own): the next pair's, from now
                 gl.thread_barrier()
                 _load_part(k_e.index(z + 1), k_e.index(z + 1), bars.index(_K1E), cache, bt_row, start + 2 * BN,
-                           kv_end, -1, True, CP_L, PE_L)
+                           kv_end, -1, True, CP_L, PE_L, TMA)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             mp = gl.max(s, axis=1)
             mbarrier.wait(bars.index(_X0), ph)
@@ -245,6 +290,7 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             # product runs while this warpgroup finishes its softmax.
             o = o * _rows(gl.exp2(m - m0), O_L)
             fence_async_shared()
+            _zero_tail(k_r.index(z), start - BN, kv_end, TMA, PE_L)
             o = warpgroup_mma(k_e.index(z), k_r.index(z), o, is_async=True)  # p0 . V0_R
             l = l * gl.exp2(m - m1) + gl.sum(p, axis=1)
             m = m1
@@ -252,14 +298,15 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             if more:  # the last use of K0's right half and of p0 (its rope buffer)
                 gl.thread_barrier()
                 _load_part(k_r.index(z), k_e.index(z), bars.index(_K0RE), cache, bt_row, start + BN, kv_end, 1,
-                           True, CP_L, PE_L)
+                           True, CP_L, PE_L, TMA)
             o = o * _rows(gl.exp2(m0 - m1), O_L)
+            _zero_tail(k_r.index(z + 1), start, kv_end, TMA, PE_L)
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:
                 gl.thread_barrier()
                 _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
-                           kv_end, 1, False, CP_L, PE_L)
+                           kv_end, 1, False, CP_L, PE_L, TMA)
     _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
 
 
@@ -269,12 +316,13 @@ def mla_seesaw_kernel(
     lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
-    H, qk_scale, row_tiles,
+    H, qk_scale, row_tiles, kv_desc,
+    TMA: gl.constexpr = False,
     PDL: gl.constexpr = False,
 ):
     """One program = one work item x 64 query rows, as mla_attn_kernel (see its docstring; same arguments, the
-    FP8 scale view unused). The prologue (default partition) copies the queries and the first pair of blocks,
-    then the two warpgroups run the seesaw."""
+    FP8 scale view unused; then kv_desc, with TMA the cache rows' descriptor, else unused). The prologue (default
+    partition) copies the queries and the first pair of blocks, then the two warpgroups run the seesaw."""
     HALF_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, _HALF], gl.bfloat16)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
 
@@ -293,7 +341,8 @@ def mla_seesaw_kernel(
     xch = gl.allocate_shared_memory(gl.float32, [4 * BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # m0, m1, l0, l1
     bars = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(_NBARS):
-        mbarrier.init(bars.index(b), count=128 if b <= _K1E else 1)
+        # cp.async loads count each thread (the queries always come by cp.async); TMA's one expect; exchanges one
+        mbarrier.init(bars.index(b), count=128 if b == _Q else (128 if b <= _K1E and not TMA else 1))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -302,21 +351,21 @@ def mla_seesaw_kernel(
     _copy_query_rows(q_r.index(0), q_ptr, q_st, q_sh, *row_args, _HALF, CP_L, BM, _HALF)
     _copy_query_rows(q_e.index(0), qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
-    cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off)
+    cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc)
     if n_pairs > 0:
-        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L)
-        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L)
+        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L, TMA)
+        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L, TMA)
         _load_part(k_e.index(1), k_e.index(1), bars.index(_K1E), cache, bt_row, kv_lo + BN, kv_end, -1, True, CP_L,
-                   PE_L)
+                   PE_L, TMA)
         _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 1, False, CP_L,
-                   PE_L)
+                   PE_L, TMA)
         _load_part(k_l.index(1), k_e.index(1), bars.index(_K1L), cache, bt_row, kv_lo + BN, kv_end, 0, False, CP_L,
-                   PE_L)
+                   PE_L, TMA)
 
     smem = (q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch)
     pos_args = (row0, H, qlen, slen, slot)
     out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot)
     gl.warp_specialize([
-        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 0)),
-        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 1)),
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 0, TMA)),
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 1, TMA)),
     ], [4], [WORKER_REGS])

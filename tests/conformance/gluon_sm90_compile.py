@@ -59,10 +59,12 @@ def mla_keys_as_m_ws():
     return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True), W.NUM_WARPS, maxnreg=W.MAXNREG)
 
 
-def mla_seesaw():
+def mla_seesaw(tma: bool):
     from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
 
-    return compile_sm90(S.mla_seesaw_kernel, mla_args(False), dict(PDL=True), S.NUM_WARPS, maxnreg=S.MAXNREG)
+    kv = f"tensordesc<bf16[64, 64],{S.KV_SMEM.value!r}>" if tma else "*bf16"  # eager launches pass the cache
+    return compile_sm90(S.mla_seesaw_kernel, {**mla_args(False), "kv_desc": kv}, dict(TMA=tma, PDL=True),
+                        S.NUM_WARPS, maxnreg=S.MAXNREG)
 
 
 def gemm(consumers: int, out_dtype: str, layout: int, split: int = 1):
@@ -95,8 +97,9 @@ def main() -> None:
         out[f"mla-kt-{fp8}"] = {**report(kt), **resource_usage(kt)}
     ws = mla_keys_as_m_ws()
     out["mla-kt-ws"] = {**report(ws), **resource_usage(ws)}
-    seesaw = mla_seesaw()
-    out["mla-seesaw"] = {**report(seesaw), **resource_usage(seesaw)}
+    for tma in (False, True):
+        seesaw = mla_seesaw(tma)
+        out[f"mla-seesaw-{int(tma)}"] = {**report(seesaw), **resource_usage(seesaw)}
     for consumers in (2, 3):
         for out_dtype in ("bf16", "fp16"):
             for layout in (0, 1):

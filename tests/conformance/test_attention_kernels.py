@@ -147,14 +147,16 @@ def gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, launcher, of
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
-@pytest.mark.parametrize("kv_dtype,seesaw", [("bf16", True), ("bf16", False), ("fp8_e4m3", False)])
+@pytest.mark.parametrize("kv_dtype,seesaw,tma", [("bf16", True, False), ("bf16", True, True), ("bf16", False, False),
+                                                 ("fp8_e4m3", False, False)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
 @pytest.mark.parametrize("heads", [128, 32, 16])
 @pytest.mark.parametrize("split", [None, 64, 128])
-def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, seesaw, query_lens, heads,
+def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_dtype, seesaw, tma, query_lens, heads,
                                                 split):
     """64-row tiles on the Gluon kernels (128 heads; 32 heads, half of each tile padding; 16 heads x 2-4
-    queries): bf16 on the seesaw kernel and on the lockstep one, FP8 on the lockstep one; against the reference,
+    queries): bf16 on the seesaw kernel (key blocks by cp.async, and by TMA) and on the lockstep one, FP8 on the
+    lockstep one; against the reference,
     and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the sequence, causal
     queries, direct and split items, odd numbers of key blocks (the seesaw pairs the last with a masked one); the
     launch counter proves a Gluon kernel ran."""
@@ -164,6 +166,7 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
     monkeypatch.setenv("DEEPINFER_MLA_SEESAW", "1" if seesaw else "0")
+    monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", "1" if tma else "0")
     assert A.seesaw_usable(spec, kern.device) == seesaw
     if heads == 16 and max(query_lens) < 2:
         pytest.skip("16 heads take 64-row tiles only with 2+ queries a sequence")
@@ -203,6 +206,35 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+@pytest.mark.parametrize("heads", [128, 32])
+def test_seesaw_by_tma_ignores_what_the_cache_holds_past_a_sequence(kern, ref, gen, monkeypatch, heads):
+    """TMA copies whole cache blocks, so a sequence's last block brings in slots it has not written (another
+    sequence's keys, or NaN where nothing was written): with every such slot NaN, the seesaw kernel's outputs
+    still match the reference, which reads a sequence's own slots only (0 x NaN in the products would not)."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    spec = KVCacheSpec(1, 64, RANK, ROPE, "bf16")
+    if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    monkeypatch.setenv("DEEPINFER_MLA_SEESAW", "1")
+    monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", "1")
+    seq_lens = (1, 70, 700, 2000, 4100, 200)  # 1, 3 and 4 blocks: odd counts pair with a block past the end
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, "bf16")
+    cache = filled_cache(kern, spec, gen)
+    written = torch.zeros(nb, 64, dtype=torch.bool)
+    for n, table in zip(seq_lens, tables):
+        for i, blk in enumerate(table):
+            written[blk, : n - 64 * i] = True
+    cache[~written.to(cache.device)] = float("nan")
+    q, qp = queries(kern, len(seq_lens), heads, gen, scale=0.3)
+    for split in (None, 128):
+        _, out, _ = against_reference(kern, ref, AttentionBatch((1,) * len(seq_lens), seq_lens, tables), spec, cache,
+                                      q, qp, RANK**-0.5, split_tokens=split)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 def test_tma_fed_kernel_runs_in_graphs_unless_told(kern, monkeypatch):
     """An FP8 cache's keys-as-M tiles take the TMA-fed kernel while a CUDA graph is captured and the one-warpgroup
     kernel in eager calls (whose launches would encode its three TMA descriptors every time), unless
@@ -226,6 +258,17 @@ def test_tma_fed_kernel_runs_in_graphs_unless_told(kern, monkeypatch):
     assert usable(None) == (False, (True, False))
     assert usable("1") == (True, (True, False))
     assert usable("0") == (False, (False, False))
+
+    def seesaw_tma(env):  # the seesaw kernel's key copies: TMA under capture, as above
+        if env is None:
+            monkeypatch.delenv("DEEPINFER_MLA_SEESAW_TMA", raising=False)
+        else:
+            monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", env)
+        eager = A.seesaw_tma_usable()
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            return eager, A.seesaw_tma_usable()
+
+    assert (seesaw_tma(None), seesaw_tma("1"), seesaw_tma("0")) == ((False, True), (True, True), (False, False))
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
