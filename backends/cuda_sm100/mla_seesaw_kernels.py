@@ -18,9 +18,9 @@ with one running max m shared between them (a pair: m -> m0 -> m1):
         o_R = (o_R * exp(m - m0) + p0 V0_R) * exp(m0 - m1) + p1 V1_R             (p0 from [0])
     [0] o_L = o_L * exp(m0 - m1) + p1 V1_L                                       (p1 from [1])
 
-so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. Warpgroup 0 computes the next
-pair's scores at the end of a pair, their first part queued behind its last product. It is FlashAttention's online
-softmax, reordered: the same sums in a different association.
+so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. It is FlashAttention's online
+softmax, reordered: the same sums in a different association. Warpgroup 0 computes the next pair's scores at the
+end of a pair, their first part queued behind its last product.
 
 Memory: queries [64, 576] and two key blocks fill 216 KiB; the 8 KiB left hold p1, and p0 goes into block 0's
 rope buffer (its last 64 channels), dead once block 0's scores are done. Each part of a block (left half, right
