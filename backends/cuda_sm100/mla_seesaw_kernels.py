@@ -375,8 +375,10 @@ def mla_seesaw_kernel(
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
     cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc)
     if n_pairs > 0:
-        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L, TMA)
-        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L, TMA)
+        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L,
+                   TMA)
+        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L,
+                   TMA)
         _load_part(k_e.index(1), k_e.index(1), bars.index(_K1E), cache, bt_row, kv_lo + BN, kv_end, -1, True, CP_L,
                    PE_L, TMA)
         _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 1, False, CP_L,
