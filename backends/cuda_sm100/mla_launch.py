@@ -213,10 +213,20 @@ def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     which a graph pays once. H200, mla_decode.py 16 heads, graph replay, ms: 128 x 4096 keys 0.137, 32 x 65536
     0.476, 64 x 4096 0.080, 1 x 16384 0.018 (thirtieth session); the one-warpgroup kernel 0.203, 0.729, 0.112,
     0.0201 (twenty-ninth; RESULTS.md, issue 8)."""
-    env = os.environ.get("DEEPINFER_MLA_KT_WS")
-    if env == "0" or not spec.is_fp8 or not gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels"):
-        return False
-    return env == "1" or torch.cuda.is_current_stream_capturing()
+    return spec.is_fp8 and gluon_gate.runs_on(device, "mla_gluon_kt_ws_kernels") and _tma_wanted("DEEPINFER_MLA_KT_WS")
+
+
+def _tma_wanted(env_name: str) -> bool:
+    """Whether a TMA-fed kernel runs: by default only while a CUDA graph is captured, since Triton 3.6 encodes its
+    descriptors on every launch and a graph pays that once; the variable says "0" (never) or "1" (always)."""
+    env = os.environ.get(env_name)
+    return env != "0" and (env == "1" or torch.cuda.is_current_stream_capturing())
+
+
+def _blocks_back_to_back(views) -> bool:
+    """Whether a cache's rows are one [blocks x BS, row] array with a 16-byte aligned base (TMA descriptors)."""
+    lat, lat_sb, lat_st, bs = views[0], views[3], views[4], views[-1]
+    return lat_sb == bs * lat_st and lat.is_contiguous() and lat.data_ptr() % 16 == 0
 
 
 def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
@@ -244,7 +254,7 @@ def e4m3_descriptors(views) -> tuple | None:
     W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
     lat, scl, rope, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, bs = views
     rows = lat.shape[0] * bs
-    if lat_sb != bs * lat_st or not lat.is_contiguous() or lat.data_ptr() % 16:
+    if not _blocks_back_to_back(views):
         return None
     half, piece = W.HALF.value, W.PIECE.value
     return (TensorDescriptor(lat, [rows, W.R.value], [lat_st, 1], [half, piece], W.LAT_SMEM.value),
@@ -262,11 +272,9 @@ def _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles) -> tuple:
 
 def seesaw_tma_usable() -> bool:
     """Whether the seesaw kernel copies key blocks by TMA (one thread's bulk copies, no proxy fences) rather than
-    by its warpgroups' cp.async. As for mla_gluon_kt_ws_kernels, Triton 3.6 encodes the descriptor on every
-    launch, which only a graph pays once: by default only while a CUDA graph is captured.
-    DEEPINFER_MLA_SEESAW_TMA: "0" never, "1" always (tests, A/B runs)."""
-    env = os.environ.get("DEEPINFER_MLA_SEESAW_TMA")
-    return env != "0" and (env == "1" or torch.cuda.is_current_stream_capturing())
+    by its warpgroups' cp.async: as for mla_gluon_kt_ws_kernels, only while a CUDA graph is captured unless
+    DEEPINFER_MLA_SEESAW_TMA says "0" (never) or "1" (always; tests, A/B runs)."""
+    return _tma_wanted("DEEPINFER_MLA_SEESAW_TMA")
 
 
 def seesaw_descriptor(views):
@@ -275,8 +283,8 @@ def seesaw_descriptor(views):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     S = gluon_gate.kernels("mla_seesaw_kernels")
-    lat, lat_sb, lat_st, bs = views[0], views[3], views[4], views[-1]
-    if lat_sb != bs * lat_st or not lat.is_contiguous() or lat.data_ptr() % 16:
+    lat, lat_st, bs = views[0], views[4], views[-1]
+    if not _blocks_back_to_back(views):
         return None
     return TensorDescriptor(lat, [lat.shape[0] * bs, lat_st], [lat_st, 1], [S.BN.value, S.BOX.value], S.KV_SMEM.value)
 

@@ -156,10 +156,9 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
                                                 split):
     """64-row tiles on the Gluon kernels (128 heads; 32 heads, half of each tile padding; 16 heads x 2-4
     queries): bf16 on the seesaw kernel (key blocks by cp.async, and by TMA) and on the lockstep one, FP8 on the
-    lockstep one; against the reference,
-    and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the sequence, causal
-    queries, direct and split items, odd numbers of key blocks (the seesaw pairs the last with a masked one); the
-    launch counter proves a Gluon kernel ran."""
+    lockstep one; against the reference, and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's
+    last keys past the sequence, causal queries, direct and split items, odd numbers of key blocks (the seesaw
+    pairs the last with a masked one); the launch counter proves a Gluon kernel ran."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
