@@ -19,8 +19,9 @@ with one running max m shared between them (a pair: m -> m0 -> m1):
     [0] o_L = o_L * exp(m0 - m1) + p1 V1_L                                       (p1 from [1])
 
 so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy. It is FlashAttention's online
-softmax, reordered: the same sums in a different association. Warpgroup 0 computes the next pair's scores at the
-end of a pair, their first part queued behind its last product.
+softmax, reordered: the same sums in a different association. Each warpgroup computes its next pair's scores at
+the end of a pair, their first part queued behind its last product (warpgroup 1 reads p1 from its buffer there, so
+no registers are held across the queue).
 
 Memory: queries [64, 576] and two key blocks fill 216 KiB; the 8 KiB left hold p1, and p0 goes into block 0's
 rope buffer (its last 64 channels), dead once block 0's scores are done. Each part of a block (left half, right
@@ -242,11 +243,14 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
     o = gl.zeros([BM, _HALF], gl.float32, layout=O_L)
     zero = gl.zeros([BM, BN], gl.float32, layout=S_L)
     mbarrier.wait(bars.index(_Q), 0)
-    s0 = zero
-    if W == 0:  # warpgroup 0 computes a pair's scores at the end of the one before (under its last product)
-        if n_pairs > 0:
+    s0 = zero  # each warpgroup computes a pair's scores at the end of the one before (under its last product)
+    if n_pairs > 0:
+        if W == 0:
             s0 = _scores(q_l.index(0), k_l.index(0), _K0L, q_r.index(0), k_r.index(0), _K0RE, q_e.index(0),
                          k_e.index(0), _K0RE, bars, 0, zero, TMA)
+        else:
+            s0 = _scores(q_e.index(0), k_e.index(1), _K1E, q_l.index(0), k_l.index(1), _K1L, q_r.index(0),
+                         k_r.index(1), _K1R, bars, 0, zero, TMA)
     for i in range(n_pairs):
         ph = i & 1
         more = i + 1 < n_pairs
@@ -295,8 +299,7 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
         else:
             # Parts in the order they were freed: rope keys (after these scores), the left half (after warpgroup
             # 0's last product), the right half (after this warpgroup's own last product).
-            s = _scores(qe, k_e.index(z + 1), _K1E, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph,
-                        zero, TMA)
+            s = s0
             if more:  # K1's rope keys are done with (p1 has a buffer of its own): the next pair's, from now
                 gl.thread_barrier()
                 _load_part(k_e.index(z + 1), k_e.index(z + 1), bars.index(_K1E), cache, bt_row, start + 2 * BN,
@@ -323,12 +326,17 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                            True, CP_L, PE_L, TMA)
             o = o * _rows(gl.exp2(m0 - m1), O_L)
             _zero_tail(k_r.index(z + 1), start, kv_end, TMA, PE_L)
-            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_r.index(z + 1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            oa = warpgroup_mma(p1_buf, k_r.index(z + 1), o, is_async=True)  # p1 as published: no registers held
             if more:
+                # The next pair's scores over K1's rope keys (reloaded after these scores) queue behind p1 . V1_R
+                sn = _scores_begin(qe, k_e.index(z + 1), _K1E, bars, ph ^ 1, zero, TMA)
+                o = warpgroup_mma_wait(num_outstanding=1, deps=(oa,))
                 gl.thread_barrier()
                 _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
                            kv_end, 1, False, CP_L, PE_L, TMA)
+                s0 = _scores_end(sn, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph ^ 1, TMA)
+            else:
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(oa,))
     _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
 
 
