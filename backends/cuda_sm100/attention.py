@@ -479,7 +479,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         row_tiles = cdiv(rows, cfg["BM"])
         grid = (items.shape[0] * row_tiles,)
         if cfg["BM"] == 64 and gluon:
-            L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail)
+            L.launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail, span)
             continue
         if cfg["BM"] == 16 and gluon and L.keys_as_m_usable(spec, rows, dev):
             L.launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail)

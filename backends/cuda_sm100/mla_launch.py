@@ -178,19 +178,22 @@ def gluon_tile_usable(spec: KVCacheSpec, q_dtype: torch.dtype, device: torch.dev
     return (spec.kv_lora_rank, spec.rope_dim) == (512, 64) and gluon_gate.runs_on(device, "mla_gluon_kernels")
 
 
-def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail) -> None:
-    """Run 64-row tiles on the Gluon kernel (views: attention._cache_views of the cache). The caller has checked
-    gluon_tile_usable and block-aligned tiles: it chose the tile height (attn_config's `gluon`) on them."""
+def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail, span: int) -> None:
+    """Run 64-row tiles on the Gluon kernel (views: attention._cache_views of the cache; span: the most keys an
+    item takes). The caller has checked gluon_tile_usable and block-aligned tiles: it chose the tile height
+    (attn_config's `gluon`) on them."""
     from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
 
     args = _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles)
     grid = (items.shape[0] * row_tiles,)
-    if seesaw_usable(spec, q_nope.device):
+    if seesaw_usable(spec, q_nope.device) and (not spec.is_fp8 or span >= SEESAW_E4M3_KEYS
+                                               or os.environ.get("DEEPINFER_MLA_SEESAW") == "1"):
         S = gluon_gate.kernels("mla_seesaw_kernels")
-        desc = seesaw_descriptor(views) if seesaw_tma_usable() else None
-        S.mla_seesaw_kernel[grid](*args, views[0] if desc is None else desc, TMA=desc is not None,
-                                  num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
-        return
+        descs = seesaw_descriptors(spec, views) if seesaw_tma_usable() else None
+        if descs is not None or not spec.is_fp8:  # an FP8 cache whose blocks TMA cannot copy: the lockstep kernel
+            S.mla_seesaw_kernel[grid](*args, *(descs or (views[0], views[0])), TMA=descs is not None,
+                                      FP8=spec.is_fp8, num_warps=S.NUM_WARPS, maxnreg=S.MAXNREG, **launch_kwargs())
+            return
     G = gluon_gate.kernels("mla_gluon_kernels")
     G.mla_attn_gluon_kernel[grid](*args, R=G.R, P=G.P, BM=G.BM, BN=G.BN, FP8=spec.is_fp8, num_warps=G.NUM_WARPS,
                                   **launch_kwargs())
@@ -277,21 +280,38 @@ def seesaw_tma_usable() -> bool:
     return _tma_wanted("DEEPINFER_MLA_SEESAW_TMA")
 
 
-def seesaw_descriptor(views):
-    """The TMA descriptor of a bf16 cache's rows ([blocks x BS, 576]) in 64 x 64 boxes, for mla_seesaw_kernels; None
-    where blocks are not back to back or the base is not 16-byte aligned."""
+def seesaw_descriptors(spec: KVCacheSpec, views) -> tuple | None:
+    """The TMA descriptors mla_seesaw_kernels takes (kv_desc, pe_desc): a bf16 cache's rows ([blocks x BS, 576]) in
+    64 x 64 boxes (twice: the rope keys are in the rows); an FP8 cache's E4M3 rows in 64 x 128 boxes and its rope
+    keys in 64 x 64. None where blocks are not back to back or the base is not 16-byte aligned."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     S = gluon_gate.kernels("mla_seesaw_kernels")
-    lat, lat_st, bs = views[0], views[4], views[-1]
+    lat, rope, lat_st, rope_st, rope_off, bs = views[0], views[2], views[4], views[8], views[10], views[-1]
     if not _blocks_back_to_back(views):
         return None
-    return TensorDescriptor(lat, [lat.shape[0] * bs, lat_st], [lat_st, 1], [S.BN.value, S.BOX.value], S.KV_SMEM.value)
+    rows, bn, box = lat.shape[0] * bs, S.BN.value, S.BOX.value
+    if spec.is_fp8:
+        return (TensorDescriptor(lat, [rows, S.R.value], [lat_st, 1], [bn, S.E4M3_BOX.value], S.E4M3_SMEM.value),
+                TensorDescriptor(rope.reshape(-1)[rope_off:], [rows, S.P.value], [rope_st, 1], [bn, box],
+                                 S.KV_SMEM.value))
+    desc = TensorDescriptor(lat, [rows, lat_st], [lat_st, 1], [bn, box], S.KV_SMEM.value)
+    return desc, desc
+
+
+# An FP8 cache's items take the seesaw kernel from this many keys (an item's span) on, the lockstep kernel below:
+# the seesaw's widening costs more a program and less a key. H200, 128 heads, mla_decode.py --sweep, graph replay
+# (RESULTS.md issue 8, thirty-fourth session): items of 1024 keys 0.386 ms seesaw vs 0.337 lockstep (64 x 4096),
+# 0.106 vs 0.096 (1 x 65536); of 2048 0.300 vs 0.311; of 4096 0.251 vs 0.300.
+SEESAW_E4M3_KEYS = 2048
 
 
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
-    """Whether a bf16 cache's 64-row tiles run on mla_seesaw_kernels (two warpgroups, FlashMLA's schedule) rather
-    than mla_gluon_kernels' lockstep warpgroups (tiles aligned to cache blocks, as launch_gluon's caller makes
-    them). DEEPINFER_MLA_SEESAW=0 keeps the lockstep kernel (A/B runs)."""
-    return (os.environ.get("DEEPINFER_MLA_SEESAW", "1") != "0" and spec.dtype == "bf16"
-            and gluon_gate.runs_on(device, "mla_seesaw_kernels"))
+    """Whether a cache's 64-row tiles run on mla_seesaw_kernels (two warpgroups, FlashMLA's schedule) rather than
+    mla_gluon_kernels' lockstep warpgroups (tiles aligned to cache blocks, as launch_gluon's caller makes them):
+    a bf16 cache always, an FP8 one only where its blocks come by TMA (seesaw_tma_usable: its E4M3 boxes land by
+    TMA alone, into the buffers they are widened in) and, in launch_gluon, items of SEESAW_E4M3_KEYS keys or more.
+    DEEPINFER_MLA_SEESAW: "0" keeps the lockstep kernel, "1" takes the seesaw whatever the span (A/B runs, tests)."""
+    if os.environ.get("DEEPINFER_MLA_SEESAW", "1") == "0" or not gluon_gate.runs_on(device, "mla_seesaw_kernels"):
+        return False
+    return spec.dtype == "bf16" or (spec.dtype == "fp8_e4m3" and seesaw_tma_usable())

@@ -1,5 +1,5 @@
-"""MLA decode over the bf16 paged latent cache, 64 query rows a program, on FlashMLA's "seesaw" schedule (Gluon,
-Hopper).
+"""MLA decode over the paged latent cache (bf16 or FP8), 64 query rows a program, on FlashMLA's "seesaw"
+schedule (Gluon, Hopper).
 
 Why: mla_gluon_kernels runs its two warpgroups in lockstep (scores, softmax, P.V, in turn), so the tensor cores
 idle through every softmax and every hand-over of P; at 128 heads it reached 0.48-0.51 of the bf16 matmul rate
@@ -36,10 +36,18 @@ Under a CUDA graph (mla_launch.seesaw_tma_usable) the parts come by TMA instead:
 the wgmma that reads them (H200, 128 heads: 7-8% faster, benchmarks/RESULTS.md). TMA copies whole cache blocks, so
 a sequence's last block is zeroed past its end before a product reads it as values (_zero_tail).
 
+FP8 cache (DeepSeek's 656-byte rows; TMA only): the schedule is the same, with float16 in the latent MMAs, as in
+mla_gluon_kernels' FP8 tile: the queries staged through registers, each row scaled by a power of two that the
+scores undo, and P as float16. A latent half's E4M3 bytes land (two 64 x 128 boxes) in the upper half of its
+float16 buffer, and the warpgroup whose scores read the block first widens them in place, times the tokens'
+scales (_widen); the other warpgroup reads that block only after the probabilities published after those
+scores. Rope keys come as bf16 boxes. Shared memory: the bf16 kernel's and the rows' factors.
+
 Same contract as mla_attn_kernel / mla_attn_gluon_kernel (work items, rows = query x head, causal positions,
-direct or partial outputs with log-sum-exp), for what mla_launch.seesaw_usable checks: bf16 queries and cache,
-rank 512, rope 64, tiles aligned to blocks of 64. GPU only (Gluon has no interpreter): the conformance tests run
-it on the H200 against the reference, and test_gluon_compile.py compiles it for sm_90 on the CPU.
+direct or partial outputs with log-sum-exp), for what mla_launch.seesaw_usable checks: bf16 queries, a bf16 or
+FP8 cache, rank 512, rope 64, tiles aligned to blocks of 64. GPU only (Gluon has no interpreter): the
+conformance tests run it on the H200 against the reference, and test_gluon_compile.py compiles it for sm_90 on
+the CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _copy_query_rows, _gdc_enter, _lse, _store_lse, _store_rows, _work_item,
+    _copy_query_rows, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item,
 )
 
 
@@ -63,7 +71,8 @@ BN = gl.constexpr(64)  # keys a block (the cache's block size)
 NUM_WARPS = 4  # warpgroup 0 (the default partition); warpgroup 1 is the worker
 WORKER_REGS = gl.constexpr(240)  # each warpgroup's registers: the worker's setmaxnreg and the launch's maxnreg
 MAXNREG = 240
-SMEM_BYTES = 230772  # sm_90 compile: queries, two key blocks, p1, the exchange rows, the barriers, scratch
+# sm_90 compile, the largest variant (FP8): queries, two key blocks, p1, the exchange rows, the barriers, scratch
+SMEM_BYTES = 231044
 
 # mbarriers (one array). Loads: 128 cp.async arrivals (one a thread of the loading warpgroup), or under TMA one
 # expect and the bytes. Exchanges: one arrival.
@@ -73,12 +82,18 @@ _HALF = gl.constexpr(256)
 BOX = gl.constexpr(64)  # channels a TMA box: one 128-byte swizzle row of bf16
 # The layout of the key buffers' 64-channel columns, which the host's TMA descriptor carries too.
 KV_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16))
+# FP8 cache: a latent half's E4M3 bytes land as two [64, 128] boxes (one scale group each) in the upper half of
+# its float16 buffer, and are widened in place (_widen); the host's descriptor carries this layout too.
+E4M3_BOX = gl.constexpr(128)
+E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
 # Copy layouts (one warpgroup, 16-byte vectors along a row): latent halves, and rope rows.
 CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-# One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, contiguous in the bf16 cache.
+# One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, or of 656 bytes (FP8), contiguous.
 _PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
                              f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 576 * 2}; mov.b32 $0, 0; }}")
+_PREFETCH_E4M3_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
+                                  f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 656}; mov.b32 $0, 0; }}")
 
 
 @gluon.jit
@@ -96,14 +111,31 @@ def _key_rows(blk, start, kv_end, BS, sb, st, L: gl.constexpr):
 
 
 @gluon.jit
+def _staging(dst, c: gl.constexpr):
+    """E4M3 box c (0, 1) of the two [64, 128] in the upper half of a float16 latent-half buffer [64, 256]: bytes
+    that _widen turns into the whole buffer (the buffer seen as [256, 128] bytes, rows 128 + 64 c on)."""
+    return dst._reinterpret(gl.float8e4nv, [4 * BN, E4M3_BOX], E4M3_SMEM).slice((2 + c) * BN, BN)
+
+
+@gluon.jit
 def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constexpr, ROPE: gl.constexpr,
-               L: gl.constexpr, PL: gl.constexpr, TMA: gl.constexpr):
+               L: gl.constexpr, PL: gl.constexpr, TMA: gl.constexpr, FP8: gl.constexpr):
     """Copy one part of the key block at `start` and signal `bar` when it lands: latent half HALF (0 left, 1
     right, -1 none) into dst_a, and with ROPE the rope keys into dst_b. cp.async zero-fills keys past kv_end;
-    TMA copies the whole cache block (its tail is zeroed before a product, _zero_tail)."""
-    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc = cache
+    TMA copies the whole cache block (its tail is zeroed before a product, _zero_tail). FP8 (TMA only): the
+    half's E4M3 bytes into dst_a's upper half (_staging), for _widen."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc = cache[:10]
     blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
-    if TMA:
+    if FP8:
+        row = blk * BS + start % BS
+        mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + 2 * P * ROPE))
+        if HALF >= 0:
+            for c in gl.static_range(_HALF // E4M3_BOX):
+                tma.async_copy_global_to_shared(kv_desc, [row, HALF * _HALF + c * E4M3_BOX], bar,
+                                                _staging(dst_a, c))
+        if ROPE:
+            tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, dst_b)
+    elif TMA:
         row = blk * BS + start % BS
         mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + P * ROPE) * 2)
         if HALF >= 0:
@@ -124,16 +156,62 @@ def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constex
 
 
 @gluon.jit
-def _prefetch_block(cache, bt_row, start, kv_end):
-    """Ask L2 for the 64 keys at `start` (one contiguous [64, 576] bf16 run of the cache: a single bulk prefetch
-    from one thread), a pair ahead of their reload, so that reload waits on L2 instead of HBM."""
-    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc = cache
+def _prefetch_block(cache, bt_row, start, kv_end, FP8: gl.constexpr):
+    """Ask L2 for the 64 keys at `start` (one contiguous run of the cache's rows: a single bulk prefetch from one
+    thread), a pair ahead of their reload, so that reload waits on L2 instead of HBM."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st = cache[:5]
     if start < kv_end:
         blk = gl.load(bt_row + start // BS).to(gl.int64)
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
         lane = gl.arange(0, 128, layout=ONE)
         ptr = lat_ptr + blk * lat_sb + (start % BS) * lat_st + lane * 0
-        gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
+        if FP8:
+            gl.inline_asm_elementwise(_PREFETCH_E4M3_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+        else:
+            gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _widened(x8, sc, live, TAIL):
+    """E4M3 values [64, 64] of one scale group times their tokens' scales (float16), as float16; zeros past the
+    sequence in its last block (the cache's bytes there may be NaN; a mask on every block cost the keys-as-M
+    producer 70% more instructions, mla_gluon_kt_ws_kernels)."""
+    x = x8.to(gl.float16) * sc[:, None]
+    if TAIL:
+        x = gl.where(live[:, None], x, 0.0)
+    return x
+
+
+@gluon.jit
+def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr):
+    """Once latent half HALF of the key block at `start` has landed in dst's upper half (_load_part, FP8), widen
+    it in place: E4M3 times the per-token scales of its two groups, rounded to float16 (as
+    mla_gluon_kernels._dequantize_tile), over the whole buffer, 64 columns at a time (PE_L: 8 bytes a thread, a
+    swizzled 128-byte row of float16 a quarter warp). The first box's float16 fills the lower half, which holds
+    no staged bytes; the second's overwrites both boxes, so every thread reads it first. The scales are asked
+    for before the wait, so their latency hides behind it."""
+    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc = cache[:10]
+    scl_ptr, scl_sb, scl_st, scale_off = cache[10:]
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
+    live = start + n < kv_end
+    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
+    sp = scl_ptr + blk * scl_sb + (start % BS + n).to(gl.int64) * scl_st + scale_off + 2 * HALF
+    sc0 = gl.load(sp, mask=live, other=0.0).to(gl.float16)
+    sc1 = gl.load(sp + 1, mask=live, other=0.0).to(gl.float16)
+    tail = start + BN > kv_end
+    mbarrier.wait(bars.index(bar), ph)
+    a = _staging(dst, 0)
+    for c in gl.static_range(2):
+        dst.slice(c * BOX, BOX, dim=1).store(_widened(a.slice(c * BOX, BOX, dim=1).load(PE_L), sc0, live, tail))
+    b = _staging(dst, 1)
+    b0 = b.slice(0, BOX, dim=1).load(PE_L)
+    b1 = b.slice(BOX, BOX, dim=1).load(PE_L)
+    gl.thread_barrier()  # every thread has read the second box
+    dst.slice(2 * BOX, BOX, dim=1).store(_widened(b0, sc1, live, tail))
+    dst.slice(3 * BOX, BOX, dim=1).store(_widened(b1, sc1, live, tail))
+    fence_async_shared()  # generic-proxy stores, read by wgmma (async proxy) ...
+    gl.thread_barrier()  # ... of every thread of this warpgroup (the other's reads follow its own barriers)
 
 
 @gluon.jit
@@ -170,6 +248,21 @@ def _scores(a0, b0, bar0, a1, b1, bar1, a2, b2, bar2, bars, ph, zero, TMA: gl.co
 
 
 @gluon.jit
+def _widen_and_score(s, a, b, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr):
+    """FP8: widen latent half HALF of the key block at `start` (_widen), then add its part of q K^T to s (in
+    flight), so that the next part's widening runs under this product."""
+    _widen(b, bars, bar, ph, cache, bt_row, start, kv_end, HALF)
+    return warpgroup_mma(a, b.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _rope_scores(s, a, b):
+    """Add q K^T's rope part (landed already) to s and wait for the scores."""
+    s = warpgroup_mma(a, b.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
 def _zero_tail(v, start, kv_end, TMA: gl.constexpr, L: gl.constexpr):
     """Zero a TMA-copied value half's keys past kv_end (what the cache holds there may be NaN, and 0 * NaN is NaN
     in a product whose probabilities are 0). Only a sequence's last block has such keys; cp.async zero-fills."""
@@ -184,8 +277,15 @@ def _zero_tail(v, start, kv_end, TMA: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
+def _p0(rope_buf, p1_buf):
+    """Block 0's rope-key buffer as p0's (p1's type: float16 for FP8, else bf16); dead once its scores are done."""
+    return rope_buf._reinterpret(p1_buf.dtype, [BM, BN], p1_buf.type.layout)
+
+
+@gluon.jit
 def _masked(s, start, pos, kv_end, qk_scale, S_L: gl.constexpr):
-    """Scores in the exp2 domain, -inf where a key is past the row's query position or the item's end."""
+    """Scores in the exp2 domain (qk_scale: a scalar, or [64, 1] where each row's queries were scaled), -inf where
+    a key is past the row's query position or the item's end."""
     offs = start + gl.arange(0, BN, layout=gl.SliceLayout(0, S_L))
     return gl.where((offs[None, :] <= pos[:, None]) & (offs[None, :] < kv_end), s * qk_scale, float("-inf"))
 
@@ -196,7 +296,7 @@ def _publish(rows_buf, x, p_buf, p, bars, bar, P_TOO: gl.constexpr):
     async proxy) in shared memory, with one arrival once every thread stored."""
     rows_buf.store(x)
     if P_TOO:
-        p_buf.store(p.to(gl.bfloat16))
+        p_buf.store(p.to(p_buf.dtype))
         fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(bars.index(bar))
@@ -212,7 +312,7 @@ def _rows(x, L: gl.constexpr):
 def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S_L: gl.constexpr):
     """Add the other warpgroup's row sums, normalise this warpgroup's 256 columns and store them (the direct output
     or a float32 partial); warpgroup 0 stores the log-sum-exp."""
-    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch = smem
+    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch, q_fac = smem
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot = out_args
     _publish(xch.slice((2 + W) * BM, BM), l, xch, l, bars, _L0 + W, False)
     mbarrier.wait(bars.index(_L1 - W), 0)
@@ -228,9 +328,12 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
 
 @gluon.jit
 def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, W: gl.constexpr,
-               TMA: gl.constexpr):
-    """Warpgroup W's side of the seesaw (W 0: left columns, even blocks; W 1: right columns, odd blocks)."""
-    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch = smem
+               TMA: gl.constexpr, FP8: gl.constexpr):
+    """Warpgroup W's side of the seesaw (W 0: left columns, even blocks; W 1: right columns, odd blocks). FP8:
+    each warpgroup widens the latent halves of the blocks whose scores it computes, before those scores; the
+    other warpgroup's products over them follow the probabilities it publishes after."""
+    q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch, q_fac = smem
+    ZERO_TAIL: gl.constexpr = TMA and not FP8  # _widen zeroes an FP8 block's tail
     row0, H, qlen, slen, slot = pos_args
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -243,9 +346,24 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
     o = gl.zeros([BM, _HALF], gl.float32, layout=O_L)
     zero = gl.zeros([BM, BN], gl.float32, layout=S_L)
     mbarrier.wait(bars.index(_Q), 0)
+    if FP8:  # the queries' float16 scaling, undone on the scores (_stage_queries_f16)
+        qk_scale = _rows(q_fac.load(gl.SliceLayout(1, S_L)), S_L) * qk_scale
     s0 = zero  # each warpgroup computes a pair's scores at the end of the one before (under its last product)
     if n_pairs > 0:
-        if W == 0:
+        if FP8:  # FP8: each latent half widened under the product before it
+            if W == 0:
+                _widen(k_l.index(0), bars, _K0L, 0, cache, bt_row, kv_lo, kv_end, 0)
+                s0 = _scores_begin(q_l.index(0), k_l.index(0), _K0L, bars, 0, zero, TMA)
+                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(0), bars, _K0RE, 0, cache, bt_row, kv_lo, kv_end, 1)
+                s0 = _rope_scores(s0, q_e.index(0), k_e.index(0))
+            else:
+                s0 = _scores_begin(q_e.index(0), k_e.index(1), _K1E, bars, 0, zero, TMA)
+                s0 = _widen_and_score(s0, q_l.index(0), k_l.index(1), bars, _K1L, 0, cache, bt_row, kv_lo + BN,
+                                      kv_end, 0)
+                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(1), bars, _K1R, 0, cache, bt_row, kv_lo + BN,
+                                      kv_end, 1)
+                s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0,))
+        elif W == 0:
             s0 = _scores(q_l.index(0), k_l.index(0), _K0L, q_r.index(0), k_r.index(0), _K0RE, q_e.index(0),
                          k_e.index(0), _K0RE, bars, 0, zero, TMA)
         else:
@@ -261,39 +379,47 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
         ql = q_l.index(z)
         qr = q_r.index(z)
         qe = q_e.index(z)
-        _prefetch_block(cache, bt_row, start + 2 * BN, kv_end)  # this warpgroup's block of the next pair
+        _prefetch_block(cache, bt_row, start + 2 * BN, kv_end, FP8)  # this warpgroup's block of the next pair
         if W == 0:
             s = _masked(s0, start, pos, kv_end, qk_scale, S_L)
             m0 = gl.maximum(m, gl.max(s, axis=1))
             p = gl.exp2(s - m0[:, None])
-            _publish(xch.slice(0, BM), m0, k_e.index(z), p, bars, _X0, True)  # K0's rope part is dead: p0 there
+            # K0's rope part is dead: p0 there
+            _publish(xch.slice(0, BM), m0, _p0(k_e.index(z), p1_buf), p, bars, _X0, True)
             scale = gl.exp2(m - m0)
             l = l * scale + gl.sum(p, axis=1)
             o = o * _rows(scale, O_L)
-            _zero_tail(k_l.index(z), start, kv_end, TMA, PE_L)
-            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), A_L), k_l.index(z), o, is_async=True)
+            _zero_tail(k_l.index(z), start, kv_end, ZERO_TAIL, PE_L)
+            o = warpgroup_mma(gl.convert_layout(p.to(k_l.dtype), A_L), k_l.index(z), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # K0's left half is done with: the next pair's, in flight from now
                 gl.thread_barrier()
                 _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
-                           False, CP_L, PE_L, TMA)
+                           False, CP_L, PE_L, TMA, FP8)
             mbarrier.wait(bars.index(_X1), ph)
             m = xch.slice(BM, BM).load(gl.SliceLayout(1, S_L))
             scale = gl.exp2(m0 - m)
             l = l * scale
             o = o * _rows(scale, O_L)
             fence_async_shared()
-            _zero_tail(k_l.index(z + 1), start + BN, kv_end, TMA, PE_L)
+            _zero_tail(k_l.index(z + 1), start + BN, kv_end, ZERO_TAIL, PE_L)
             oa = warpgroup_mma(p1_buf, k_l.index(z + 1), o, is_async=True)  # p1 . V1_L
             if more:
                 # The next pair's scores over K0's left half (reloaded after p0 . V0_L) queue behind p1 . V1_L, so
                 # the tensor cores go on from one to the other (H200, 128 heads: ~1.7% faster, RESULTS.md).
+                if FP8:
+                    _widen(k_l.index(z), bars, _K0L, ph ^ 1, cache, bt_row, start + 2 * BN, kv_end, 0)
                 sn = _scores_begin(ql, k_l.index(z), _K0L, bars, ph ^ 1, zero, TMA)
                 o = warpgroup_mma_wait(num_outstanding=1, deps=(oa,))
                 gl.thread_barrier()  # the last use of K1's left half
                 _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1L), cache, bt_row, start + 3 * BN,
-                           kv_end, 0, False, CP_L, PE_L, TMA)
-                s0 = _scores_end(sn, qr, k_r.index(z), _K0RE, qe, k_e.index(z), _K0RE, bars, ph ^ 1, TMA)
+                           kv_end, 0, False, CP_L, PE_L, TMA, FP8)
+                if FP8:
+                    sn = _widen_and_score(sn, qr, k_r.index(z), bars, _K0RE, ph ^ 1, cache, bt_row, start + 2 * BN,
+                                          kv_end, 1)
+                    s0 = _rope_scores(sn, qe, k_e.index(z))
+                else:
+                    s0 = _scores_end(sn, qr, k_r.index(z), _K0RE, qe, k_e.index(z), _K0RE, bars, ph ^ 1, TMA)
             else:
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(oa,))
         else:
@@ -303,7 +429,7 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             if more:  # K1's rope keys are done with (p1 has a buffer of its own): the next pair's, from now
                 gl.thread_barrier()
                 _load_part(k_e.index(z + 1), k_e.index(z + 1), bars.index(_K1E), cache, bt_row, start + 2 * BN,
-                           kv_end, -1, True, CP_L, PE_L, TMA)
+                           kv_end, -1, True, CP_L, PE_L, TMA, FP8)
             s = _masked(s, start, pos, kv_end, qk_scale, S_L)
             mp = gl.max(s, axis=1)
             mbarrier.wait(bars.index(_X0), ph)
@@ -315,17 +441,17 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             # product runs while this warpgroup finishes its softmax.
             o = o * _rows(gl.exp2(m - m0), O_L)
             fence_async_shared()
-            _zero_tail(k_r.index(z), start - BN, kv_end, TMA, PE_L)
-            o = warpgroup_mma(k_e.index(z), k_r.index(z), o, is_async=True)  # p0 . V0_R
+            _zero_tail(k_r.index(z), start - BN, kv_end, ZERO_TAIL, PE_L)
+            o = warpgroup_mma(_p0(k_e.index(z), p1_buf), k_r.index(z), o, is_async=True)  # p0 . V0_R
             l = l * gl.exp2(m - m1) + gl.sum(p, axis=1)
             m = m1
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             if more:  # the last use of K0's right half and of p0 (its rope buffer)
                 gl.thread_barrier()
                 _load_part(k_r.index(z), k_e.index(z), bars.index(_K0RE), cache, bt_row, start + BN, kv_end, 1,
-                           True, CP_L, PE_L, TMA)
+                           True, CP_L, PE_L, TMA, FP8)
             o = o * _rows(gl.exp2(m0 - m1), O_L)
-            _zero_tail(k_r.index(z + 1), start, kv_end, TMA, PE_L)
+            _zero_tail(k_r.index(z + 1), start, kv_end, ZERO_TAIL, PE_L)
             oa = warpgroup_mma(p1_buf, k_r.index(z + 1), o, is_async=True)  # p1 as published: no registers held
             if more:
                 # The next pair's scores over K1's rope keys (reloaded after these scores) queue behind p1 . V1_R
@@ -333,11 +459,33 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                 o = warpgroup_mma_wait(num_outstanding=1, deps=(oa,))
                 gl.thread_barrier()
                 _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
-                           kv_end, 1, False, CP_L, PE_L, TMA)
-                s0 = _scores_end(sn, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph ^ 1, TMA)
+                           kv_end, 1, False, CP_L, PE_L, TMA, FP8)
+                if FP8:
+                    sn = _widen_and_score(sn, ql, k_l.index(z + 1), bars, _K1L, ph ^ 1, cache, bt_row, start + 2 * BN,
+                                          kv_end, 0)
+                    sn = _widen_and_score(sn, qr, k_r.index(z + 1), bars, _K1R, ph ^ 1, cache, bt_row, start + 2 * BN,
+                                          kv_end, 1)
+                    s0 = warpgroup_mma_wait(num_outstanding=0, deps=(sn,))
+                else:
+                    s0 = _scores_end(sn, ql, k_l.index(z + 1), _K1L, qr, k_r.index(z + 1), _K1R, bars, ph ^ 1, TMA)
             else:
                 o = warpgroup_mma_wait(num_outstanding=0, deps=(oa,))
     _finish(o, m, l, smem, bars, W, out_args, O_L, S_L)
+
+
+@gluon.jit
+def _first_pair(k_l, k_r, k_e, bars, cache, bt_row, kv_lo, kv_end, TMA: gl.constexpr, FP8: gl.constexpr):
+    """The prologue's copies of the first pair of key blocks, every part on its barrier."""
+    _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L,
+               TMA, FP8)
+    _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L,
+               TMA, FP8)
+    _load_part(k_e.index(1), k_e.index(1), bars.index(_K1E), cache, bt_row, kv_lo + BN, kv_end, -1, True, CP_L,
+               PE_L, TMA, FP8)
+    _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 1, False, CP_L,
+               PE_L, TMA, FP8)
+    _load_part(k_l.index(1), k_e.index(1), bars.index(_K1L), cache, bt_row, kv_lo + BN, kv_end, 0, False, CP_L,
+               PE_L, TMA, FP8)
 
 
 @gluon.jit
@@ -346,14 +494,18 @@ def mla_seesaw_kernel(
     lat_ptr, scl_ptr, rope_ptr, lat_sb, lat_st, scl_sb, scl_st, rope_sb, rope_st, scale_off, rope_off, BS,
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
-    H, qk_scale, row_tiles, kv_desc,
+    H, qk_scale, row_tiles, kv_desc, pe_desc,
     TMA: gl.constexpr = False,
+    FP8: gl.constexpr = False,
     PDL: gl.constexpr = False,
 ):
-    """One program = one work item x 64 query rows, as mla_attn_kernel (see its docstring; same arguments, the
-    FP8 scale view unused; then kv_desc, with TMA the cache rows' descriptor, else unused). The prologue (default
-    partition) copies the queries and the first pair of blocks, then the two warpgroups run the seesaw."""
-    HALF_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, _HALF], gl.bfloat16)
+    """One program = one work item x 64 query rows, as mla_attn_kernel (see its docstring; same arguments), then
+    the cache as TMA descriptors where TMA (else unused): bf16, kv_desc over its rows in 64 x 64 boxes (pe_desc
+    unused); FP8 (TMA only), kv_desc over the E4M3 rows in 64 x 128 boxes and pe_desc over the rope keys. The
+    prologue (default partition) copies the queries and the first pair of blocks, then the two warpgroups run
+    the seesaw. FP8: float16 queries, each row scaled as mla_gluon_kernels' FP8 tile does, widened keys and P."""
+    KD: gl.constexpr = gl.float16 if FP8 else gl.bfloat16  # the latent MMAs' operands
+    HALF_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, _HALF], KD)
     PE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, P], gl.bfloat16)
 
     _gdc_enter(PDL)
@@ -361,43 +513,58 @@ def mla_seesaw_kernel(
     n_pairs = gl.cdiv(gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN), 2)  # an odd last block pairs with a masked one
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
 
-    q_l = gl.allocate_shared_memory(gl.bfloat16, [1, BM, _HALF], HALF_S)  # [1, ...]: see _warpgroup's loop
-    q_r = gl.allocate_shared_memory(gl.bfloat16, [1, BM, _HALF], HALF_S)
+    # [1, ...]: see _warpgroup's loop. FP8: the latent halves are one allocation, which _stage_queries_f16 sees as
+    # a [64, 512] tile (its 64-column blocks are the halves' in turn).
+    if FP8:
+        q_lr = gl.allocate_shared_memory(KD, [2, BM, _HALF], HALF_S)
+        q_l = q_lr.index(0)._reinterpret(KD, [1, BM, _HALF], HALF_S)
+        q_r = q_lr.index(1)._reinterpret(KD, [1, BM, _HALF], HALF_S)
+    else:
+        q_l = gl.allocate_shared_memory(KD, [1, BM, _HALF], HALF_S)
+        q_r = gl.allocate_shared_memory(KD, [1, BM, _HALF], HALF_S)
     q_e = gl.allocate_shared_memory(gl.bfloat16, [1, BM, P], PE_S)
-    k_l = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
-    k_r = gl.allocate_shared_memory(gl.bfloat16, [2, BN, _HALF], HALF_S)
+    k_l = gl.allocate_shared_memory(KD, [2, BN, _HALF], HALF_S)
+    k_r = gl.allocate_shared_memory(KD, [2, BN, _HALF], HALF_S)
     k_e = gl.allocate_shared_memory(gl.bfloat16, [2, BN, P], PE_S)  # rope keys; block 0's then holds p0
-    p1_buf = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], PE_S)
+    p1_buf = gl.allocate_shared_memory(KD, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, P], KD))
     xch = gl.allocate_shared_memory(gl.float32, [4 * BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # m0, m1, l0, l1
+    if FP8:  # the factors that undo the queries' scaling, one a row
+        q_fac = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        q_fac = xch
     bars = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(_NBARS):
-        # cp.async loads count each thread (the queries always come by cp.async); TMA's one expect; exchanges one
-        mbarrier.init(bars.index(b), count=128 if b == _Q else (128 if b <= _K1E and not TMA else 1))
+        # cp.async loads count each thread (the bf16 queries always come by cp.async); TMA's one expect; the FP8
+        # queries' stores and the exchanges one arrival
+        mbarrier.init(bars.index(b), count=128 if (b == _Q and not FP8) or (b != _Q and b <= _K1E and not TMA) else 1)
     fence_async_shared()
     gl.thread_barrier()
 
     row_args = (row0, H, tok0, qlen, slot)
-    _copy_query_rows(q_l.index(0), q_ptr, q_st, q_sh, *row_args, 0, CP_L, BM, _HALF)
-    _copy_query_rows(q_r.index(0), q_ptr, q_st, q_sh, *row_args, _HALF, CP_L, BM, _HALF)
-    _copy_query_rows(q_e.index(0), qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
-    async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
-    cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc)
+    cache = (lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc, scl_ptr, scl_sb,
+             scl_st, scale_off)
+    if FP8:
+        Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, R], KD)
+        fac = _stage_queries_f16(q_lr._reinterpret(KD, [BM, R], Q_S), q_e.index(0), q_ptr, qpe_ptr, q_st, q_sh,
+                                 qpe_st, qpe_sh, *row_args, PE_L, gl.SliceLayout(1, PE_L), BM, R, P, 4)
+        q_fac.store(fac)
+        fence_async_shared()  # the query tiles are read by wgmma
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(_Q))
+    else:
+        _copy_query_rows(q_l.index(0), q_ptr, q_st, q_sh, *row_args, 0, CP_L, BM, _HALF)
+        _copy_query_rows(q_r.index(0), q_ptr, q_st, q_sh, *row_args, _HALF, CP_L, BM, _HALF)
+        _copy_query_rows(q_e.index(0), qpe_ptr, qpe_st, qpe_sh, *row_args, 0, PE_L, BM, P)
+        async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
+    # After the queries, FP8's too: issued before their staging through registers they ran 1% slower (H200,
+    # RESULTS.md issue 8, thirty-fourth session)
     if n_pairs > 0:
-        _load_part(k_l.index(0), k_e.index(0), bars.index(_K0L), cache, bt_row, kv_lo, kv_end, 0, False, CP_L, PE_L,
-                   TMA)
-        _load_part(k_r.index(0), k_e.index(0), bars.index(_K0RE), cache, bt_row, kv_lo, kv_end, 1, True, CP_L, PE_L,
-                   TMA)
-        _load_part(k_e.index(1), k_e.index(1), bars.index(_K1E), cache, bt_row, kv_lo + BN, kv_end, -1, True, CP_L,
-                   PE_L, TMA)
-        _load_part(k_r.index(1), k_e.index(1), bars.index(_K1R), cache, bt_row, kv_lo + BN, kv_end, 1, False, CP_L,
-                   PE_L, TMA)
-        _load_part(k_l.index(1), k_e.index(1), bars.index(_K1L), cache, bt_row, kv_lo + BN, kv_end, 0, False, CP_L,
-                   PE_L, TMA)
+        _first_pair(k_l, k_r, k_e, bars, cache, bt_row, kv_lo, kv_end, TMA, FP8)
 
-    smem = (q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch)
+    smem = (q_l, q_r, q_e, k_l, k_r, k_e, p1_buf, xch, q_fac)
     pos_args = (row0, H, qlen, slen, slot)
     out_args = (out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr, row0, H, tok0, qlen, slot)
     gl.warp_specialize([
-        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 0, TMA)),
-        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 1, TMA)),
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 0, TMA, FP8)),
+        (_warpgroup, (smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_scale, out_args, 1, TMA, FP8)),
     ], [4], [WORKER_REGS])

@@ -59,12 +59,14 @@ def mla_keys_as_m_ws():
     return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True), W.NUM_WARPS, maxnreg=W.MAXNREG)
 
 
-def mla_seesaw(tma: bool):
+def mla_seesaw(tma: bool, fp8: bool = False):
     from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
 
-    kv = f"tensordesc<bf16[64, 64],{S.KV_SMEM.value!r}>" if tma else "*bf16"  # eager launches pass the cache
-    return compile_sm90(S.mla_seesaw_kernel, {**mla_args(False), "kv_desc": kv}, dict(TMA=tma, PDL=True),
-                        S.NUM_WARPS, maxnreg=S.MAXNREG)
+    kv = pe = f"tensordesc<bf16[64, 64],{S.KV_SMEM.value!r}>" if tma else "*bf16"  # eager launches pass the cache
+    if fp8:
+        kv = f"tensordesc<fp8e4nv[64, {S.E4M3_BOX.value}],{S.E4M3_SMEM.value!r}>"
+    return compile_sm90(S.mla_seesaw_kernel, {**mla_args(fp8), "kv_desc": kv, "pe_desc": pe},
+                        dict(TMA=tma, FP8=fp8, PDL=True), S.NUM_WARPS, maxnreg=S.MAXNREG)
 
 
 def gemm(consumers: int, out_dtype: str, layout: int, split: int = 1):
@@ -100,6 +102,8 @@ def main() -> None:
     for tma in (False, True):
         seesaw = mla_seesaw(tma)
         out[f"mla-seesaw-{int(tma)}"] = {**report(seesaw), **resource_usage(seesaw)}
+    seesaw = mla_seesaw(True, fp8=True)
+    out["mla-seesaw-fp8"] = {**report(seesaw), **resource_usage(seesaw)}
     for consumers in (2, 3):
         for out_dtype in ("bf16", "fp16"):
             for layout in (0, 1):

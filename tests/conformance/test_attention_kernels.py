@@ -148,7 +148,7 @@ def gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, launcher, of
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("kv_dtype,seesaw,tma", [("bf16", True, False), ("bf16", True, True), ("bf16", False, False),
-                                                 ("fp8_e4m3", False, False)])
+                                                 ("fp8_e4m3", True, True), ("fp8_e4m3", False, False)])
 @pytest.mark.parametrize("query_lens", [(1, 1, 1, 1, 1, 1), (1, 2, 3, 1, 4, 2)])
 @pytest.mark.parametrize("heads", [128, 32, 16])
 @pytest.mark.parametrize("split", [None, 64, 128])
@@ -156,9 +156,10 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
                                                 split):
     """64-row tiles on the Gluon kernels (128 heads; 32 heads, half of each tile padding; 16 heads x 2-4
     queries): bf16 on the seesaw kernel (key blocks by cp.async, and by TMA) and on the lockstep one, FP8 on the
-    lockstep one; against the reference, and against mla_attn_kernel on the same inputs. Ragged lengths, a tile's
-    last keys past the sequence, causal queries, direct and split items, odd numbers of key blocks (the seesaw
-    pairs the last with a masked one); the launch counter proves a Gluon kernel ran."""
+    seesaw kernel (by TMA, widened in place) and on the lockstep one; against the reference, and against
+    mla_attn_kernel on the same inputs. Ragged lengths, a tile's last keys past the sequence, causal queries,
+    direct and split items, odd numbers of key blocks (the seesaw pairs the last with a masked one); the launch
+    counter proves a Gluon kernel ran, and the descriptors made that the TMA-fed seesaw did."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
     spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
@@ -169,12 +170,16 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     assert A.seesaw_usable(spec, kern.device) == seesaw
     if heads == 16 and max(query_lens) < 2:
         pytest.skip("16 heads take 64-row tiles only with 2+ queries a sequence")
+    made = []
+    real = A.seesaw_descriptors
+    monkeypatch.setattr(A, "seesaw_descriptors", lambda *a: made.append(real(*a)) or made[-1])
     # FP8: the Triton kernel folds the scales into the fp32 scores (at most 32 rows) or rounds the dequantised tile
     # to bf16, the Gluon kernels round it to float16: the two differ by the reference comparison's FP8 allowance
     # (H200: lse up to 1.7e-3 apart at 64-row tiles), not less.
     tol = 1e-2 if spec.is_fp8 else 1e-3
     gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, "launch_gluon", "DEEPINFER_MLA_GLUON", kv_dtype,
                                        heads, query_lens, split, tol)
+    assert bool(made) == (seesaw and tma) and all(d is not None for d in made)
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
@@ -205,32 +210,60 @@ def test_keys_as_m_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch,
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", [128, 32])
-def test_seesaw_by_tma_ignores_what_the_cache_holds_past_a_sequence(kern, ref, gen, monkeypatch, heads):
+def test_seesaw_by_tma_ignores_what_the_cache_holds_past_a_sequence(kern, ref, gen, monkeypatch, heads, kv_dtype):
     """TMA copies whole cache blocks, so a sequence's last block brings in slots it has not written (another
-    sequence's keys, or NaN where nothing was written): with every such slot NaN, the seesaw kernel's outputs
-    still match the reference, which reads a sequence's own slots only (0 x NaN in the products would not)."""
+    sequence's keys, or NaN where nothing was written): with every such slot NaN (FP8: every byte 0xFF, NaN as
+    E4M3, as a scale and as a rope value), the seesaw kernel's outputs still match the reference, which reads a
+    sequence's own slots only (0 x NaN in the products would not)."""
     from deepinfer.backends.cuda_sm100 import mla_launch as A
 
-    spec = KVCacheSpec(1, 64, RANK, ROPE, "bf16")
+    spec = KVCacheSpec(1, 64, RANK, ROPE, kv_dtype)
     if not A.gluon_tile_usable(spec, torch.bfloat16, kern.device):
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
     monkeypatch.setenv("DEEPINFER_MLA_SEESAW", "1")
     monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", "1")
     seq_lens = (1, 70, 700, 2000, 4100, 200)  # 1, 3 and 4 blocks: odd counts pair with a block past the end
     nb, tables = tables_for(seq_lens, 64, gen)
-    spec = KVCacheSpec(nb, 64, RANK, ROPE, "bf16")
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, kv_dtype)
     cache = filled_cache(kern, spec, gen)
     written = torch.zeros(nb, 64, dtype=torch.bool)
     for n, table in zip(seq_lens, tables):
         for i, blk in enumerate(table):
             written[blk, : n - 64 * i] = True
-    cache[~written.to(cache.device)] = float("nan")
+    cache[~written.to(cache.device)] = float("nan") if cache.is_floating_point() else 0xFF
     q, qp = queries(kern, len(seq_lens), heads, gen, scale=0.3)
     for split in (None, 128):
         _, out, _ = against_reference(kern, ref, AttentionBatch((1,) * len(seq_lens), seq_lens, tables), spec, cache,
                                       q, qp, RANK**-0.5, split_tokens=split)
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
+def test_fp8_items_take_the_seesaw_from_its_span_on(kern, ref, gen, monkeypatch):
+    """By default an FP8 cache's 64-row tiles run on the seesaw kernel where the items span SEESAW_E4M3_KEYS keys
+    or more, on the lockstep kernel below (the seesaw's widening costs more a program); both match the
+    reference."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    if not A.gluon_tile_usable(KVCacheSpec(1, 64, RANK, ROPE, "fp8_e4m3"), torch.bfloat16, kern.device):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    monkeypatch.delenv("DEEPINFER_MLA_SEESAW", raising=False)
+    monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", "1")  # as under a CUDA graph
+    made = []
+    real = A.seesaw_descriptors
+    monkeypatch.setattr(A, "seesaw_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    seq_lens = (4096, 3000)
+    nb, tables = tables_for(seq_lens, 64, gen)
+    spec = KVCacheSpec(nb, 64, RANK, ROPE, "fp8_e4m3")
+    cache = filled_cache(kern, spec, gen)
+    q, qp = queries(kern, len(seq_lens), 128, gen, scale=0.3)
+    for split, seesaw in ((A.SEESAW_E4M3_KEYS // 2, False), (A.SEESAW_E4M3_KEYS, True)):
+        made.clear()
+        against_reference(kern, ref, AttentionBatch((1, 1), seq_lens, tables), spec, cache, q, qp, RANK**-0.5,
+                          split_tokens=split)
+        assert bool(made) == seesaw
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
@@ -258,16 +291,17 @@ def test_tma_fed_kernel_runs_in_graphs_unless_told(kern, monkeypatch):
     assert usable("1") == (True, (True, False))
     assert usable("0") == (False, (False, False))
 
-    def seesaw_tma(env):  # the seesaw kernel's key copies: TMA under capture, as above
+    def seesaw_tma(env):  # the seesaw kernel's key copies: TMA under capture, as above; FP8 caches only by TMA
         if env is None:
             monkeypatch.delenv("DEEPINFER_MLA_SEESAW_TMA", raising=False)
         else:
             monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", env)
-        eager = A.seesaw_tma_usable()
+        eager = A.seesaw_tma_usable(), A.seesaw_usable(fp8, kern.device), A.seesaw_usable(bf16, kern.device)
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            return eager, A.seesaw_tma_usable()
+            return eager, (A.seesaw_tma_usable(), A.seesaw_usable(fp8, kern.device), A.seesaw_usable(bf16, kern.device))
 
-    assert (seesaw_tma(None), seesaw_tma("1"), seesaw_tma("0")) == ((False, True), (True, True), (False, False))
+    on, off = (True, True, True), (False, False, True)
+    assert (seesaw_tma(None), seesaw_tma("1"), seesaw_tma("0")) == ((off, on), (on, on), (off, off))
 
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")

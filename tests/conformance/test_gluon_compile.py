@@ -89,21 +89,28 @@ def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(comp
     assert "griddepcontrol.wait" in ptx
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled, tma):
+@pytest.mark.parametrize("variant", ["0", "1", "fp8"])
+def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled, variant):
     """Both warpgroups' loops keep their wgmma descriptors in registers (a hoisted set spills: 576 B of stack)
-    and hand P to each other through stmatrix; PDL as the lockstep kernel. Key blocks by cp.async (eager
-    launches: SMEM_BYTES is theirs) or by TMA (no cp.async in the loop; the queries still come by cp.async)."""
+    and hand P to each other through stmatrix; PDL as the lockstep kernel. bf16 key blocks by cp.async (eager
+    launches) or by TMA (no cp.async in the loop; the queries still come by cp.async); FP8 by TMA, widened to
+    float16 in place (one cvt per two values), float16 queries through registers. SMEM_BYTES is the largest."""
     from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
 
-    case = compiled[f"mla-seesaw-{int(tma)}"]
+    case = compiled[f"mla-seesaw-{variant}"]
     assert case["stack"] == 0
-    assert case["shared"] <= S.SMEM_BYTES if tma else case["shared"] == S.SMEM_BYTES
+    assert case["shared"] <= S.SMEM_BYTES
+    assert max(compiled[f"mla-seesaw-{v}"]["shared"] for v in ("0", "1", "fp8")) == S.SMEM_BYTES
     ptx = case["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
-    assert "stmatrix" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx and "griddepcontrol.wait" in ptx
-    assert ("cp.async.bulk.tensor.2d" in ptx) == tma
+    latent = "f16.f16" if variant == "fp8" else "bf16.bf16"
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # the rope keys' scores
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{latent}" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{latent}" in ptx
+    assert "stmatrix" in ptx and "griddepcontrol.wait" in ptx
+    assert ("cp.async.mbarrier.arrive.noinc" in ptx) == (variant != "fp8")
+    assert ("cp.async.bulk.tensor.2d" in ptx) == (variant != "0")
+    # each warpgroup widens two halves of 64 x 256 a pair, and two before its loop: 8 x 64 x 256 values in all
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == (8 * 64 * 256 // 128 // 2 if variant == "fp8" else 0)
 
 
 @pytest.mark.parametrize("layout", [0, 1])
