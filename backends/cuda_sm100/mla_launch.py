@@ -186,8 +186,7 @@ def launch_gluon(spec, q_nope, q_pe, views, plan, items, row_tiles, tail, span: 
 
     args = _gluon_args(q_nope, q_pe, views, plan, items, tail, row_tiles)
     grid = (items.shape[0] * row_tiles,)
-    if seesaw_usable(spec, q_nope.device) and (not spec.is_fp8 or span >= SEESAW_E4M3_KEYS
-                                               or os.environ.get("DEEPINFER_MLA_SEESAW") == "1"):
+    if seesaw_wanted(spec, span, q_nope.device):
         S = gluon_gate.kernels("mla_seesaw_kernels")
         descs = seesaw_descriptors(spec, views) if seesaw_tma_usable() else None
         if descs is not None or not spec.is_fp8:  # an FP8 cache whose blocks TMA cannot copy: the lockstep kernel
@@ -306,12 +305,20 @@ def seesaw_descriptors(spec: KVCacheSpec, views) -> tuple | None:
 SEESAW_E4M3_KEYS = 2048
 
 
+def seesaw_wanted(spec: KVCacheSpec, span: int, device: torch.device) -> bool:
+    """seesaw_usable, and for an FP8 cache items of SEESAW_E4M3_KEYS keys or more (span: the longest item's), or
+    any where DEEPINFER_MLA_SEESAW says "1"."""
+    if not seesaw_usable(spec, device):
+        return False
+    return not spec.is_fp8 or span >= SEESAW_E4M3_KEYS or os.environ.get("DEEPINFER_MLA_SEESAW") == "1"
+
+
 def seesaw_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     """Whether a cache's 64-row tiles run on mla_seesaw_kernels (two warpgroups, FlashMLA's schedule) rather than
     mla_gluon_kernels' lockstep warpgroups (tiles aligned to cache blocks, as launch_gluon's caller makes them):
     a bf16 cache always, an FP8 one only where its blocks come by TMA (seesaw_tma_usable: its E4M3 boxes land by
-    TMA alone, into the buffers they are widened in) and, in launch_gluon, items of SEESAW_E4M3_KEYS keys or more.
-    DEEPINFER_MLA_SEESAW: "0" keeps the lockstep kernel, "1" takes the seesaw whatever the span (A/B runs, tests)."""
+    TMA alone, into the buffers they are widened in); seesaw_wanted adds the items' span. DEEPINFER_MLA_SEESAW:
+    "0" keeps the lockstep kernel, "1" takes the seesaw whatever the span (A/B runs, tests)."""
     if os.environ.get("DEEPINFER_MLA_SEESAW", "1") == "0" or not gluon_gate.runs_on(device, "mla_seesaw_kernels"):
         return False
     return spec.dtype == "bf16" or (spec.dtype == "fp8_e4m3" and seesaw_tma_usable())

@@ -211,7 +211,8 @@ def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr)
     dst.slice(2 * BOX, BOX, dim=1).store(_widened(b0, sc1, live, tail))
     dst.slice(3 * BOX, BOX, dim=1).store(_widened(b1, sc1, live, tail))
     fence_async_shared()  # generic-proxy stores, read by wgmma (async proxy) ...
-    gl.thread_barrier()  # ... of every thread of this warpgroup (the other's reads follow its own barriers)
+    gl.thread_barrier()  # ... of every thread of this warpgroup (the other reads these halves only after the
+    # probabilities this one publishes later)
 
 
 @gluon.jit

@@ -146,6 +146,16 @@ def gluon_against_reference_and_triton(kern, ref, gen, monkeypatch, launcher, of
     torch.testing.assert_close(lse, t_lse, rtol=lse_tol, atol=lse_tol)
 
 
+def seesaw_descriptors_made(monkeypatch) -> list:
+    """The TMA descriptors mla_launch makes for the seesaw kernel from now on (it makes them only to launch it)."""
+    from deepinfer.backends.cuda_sm100 import mla_launch as A
+
+    made = []
+    real = A.seesaw_descriptors
+    monkeypatch.setattr(A, "seesaw_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    return made
+
+
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on Hopper GPUs only (no interpreter)")
 @pytest.mark.parametrize("kv_dtype,seesaw,tma", [("bf16", True, False), ("bf16", True, True), ("bf16", False, False),
                                                  ("fp8_e4m3", True, True), ("fp8_e4m3", False, False)])
@@ -170,9 +180,7 @@ def test_gluon_tiles_match_reference_and_triton(kern, ref, gen, monkeypatch, kv_
     assert A.seesaw_usable(spec, kern.device) == seesaw
     if heads == 16 and max(query_lens) < 2:
         pytest.skip("16 heads take 64-row tiles only with 2+ queries a sequence")
-    made = []
-    real = A.seesaw_descriptors
-    monkeypatch.setattr(A, "seesaw_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    made = seesaw_descriptors_made(monkeypatch)
     # FP8: the Triton kernel folds the scales into the fp32 scores (at most 32 rows) or rounds the dequantised tile
     # to bf16, the Gluon kernels round it to float16: the two differ by the reference comparison's FP8 allowance
     # (H200: lse up to 1.7e-3 apart at 64-row tiles), not less.
@@ -251,9 +259,7 @@ def test_fp8_items_take_the_seesaw_from_its_span_on(kern, ref, gen, monkeypatch)
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
     monkeypatch.delenv("DEEPINFER_MLA_SEESAW", raising=False)
     monkeypatch.setenv("DEEPINFER_MLA_SEESAW_TMA", "1")  # as under a CUDA graph
-    made = []
-    real = A.seesaw_descriptors
-    monkeypatch.setattr(A, "seesaw_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    made = seesaw_descriptors_made(monkeypatch)
     seq_lens = (4096, 3000)
     nb, tables = tables_for(seq_lens, 64, gen)
     spec = KVCacheSpec(nb, 64, RANK, ROPE, "fp8_e4m3")
