@@ -89,11 +89,16 @@ E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout.get_default_for([64, 128], gl.floa
 # Copy layouts (one warpgroup, 16-byte vectors along a row): latent halves, and rope rows.
 CP_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 PE_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-# One thread asks L2 for a whole key block: 64 rows of 576 bf16 values, or of 656 bytes (FP8), contiguous.
-_PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
-                             f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 576 * 2}; mov.b32 $0, 0; }}")
-_PREFETCH_E4M3_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
-                                  f"@p cp.async.bulk.prefetch.L2.global [$1], {64 * 656}; mov.b32 $0, 0; }}")
+
+
+def _prefetch_asm(nbytes: int) -> gl.constexpr:
+    """One thread asks L2 for a whole key block: `nbytes` contiguous bytes of the cache's rows."""
+    return gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $2, 0; "
+                        f"@p cp.async.bulk.prefetch.L2.global [$1], {nbytes}; mov.b32 $0, 0; }}")
+
+
+_PREFETCH_ASM = _prefetch_asm(64 * 576 * 2)  # 64 rows of 576 bf16 values
+_PREFETCH_E4M3_ASM = _prefetch_asm(64 * 656)  # 64 rows of 656 bytes (FP8)
 
 
 @gluon.jit
@@ -126,8 +131,8 @@ def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constex
     half's E4M3 bytes into dst_a's upper half (_staging), for _widen."""
     lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc = cache[:10]
     blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
+    row = blk * BS + start % BS  # TMA's cache row
     if FP8:
-        row = blk * BS + start % BS
         mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + 2 * P * ROPE))
         if HALF >= 0:
             for c in gl.static_range(_HALF // E4M3_BOX):
@@ -136,7 +141,6 @@ def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constex
         if ROPE:
             tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, dst_b)
     elif TMA:
-        row = blk * BS + start % BS
         mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + P * ROPE) * 2)
         if HALF >= 0:
             for c in gl.static_range(_HALF // BOX):
@@ -165,11 +169,8 @@ def _prefetch_block(cache, bt_row, start, kv_end, FP8: gl.constexpr):
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
         lane = gl.arange(0, 128, layout=ONE)
         ptr = lat_ptr + blk * lat_sb + (start % BS) * lat_st + lane * 0
-        if FP8:
-            gl.inline_asm_elementwise(_PREFETCH_E4M3_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False,
-                                      pack=1)
-        else:
-            gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
+        ASM: gl.constexpr = _PREFETCH_E4M3_ASM if FP8 else _PREFETCH_ASM
+        gl.inline_asm_elementwise(ASM, "=r,l,r", [ptr, lane], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -191,7 +192,7 @@ def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr)
     swizzled 128-byte row of float16 a quarter warp). The first box's float16 fills the lower half, which holds
     no staged bytes; the second's overwrites both boxes, so every thread reads it first. The scales are asked
     for before the wait, so their latency hides behind it."""
-    lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc = cache[:10]
+    BS = cache[2]
     scl_ptr, scl_sb, scl_st, scale_off = cache[10:]
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
     live = start + n < kv_end
@@ -532,7 +533,7 @@ def mla_seesaw_kernel(
     if FP8:  # the factors that undo the queries' scaling, one a row
         q_fac = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
-        q_fac = xch
+        q_fac = xch  # unused
     bars = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(_NBARS):
         # cp.async loads count each thread (the bf16 queries always come by cp.async); TMA's one expect; the FP8
