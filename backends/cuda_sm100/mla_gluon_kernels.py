@@ -256,6 +256,32 @@ def _stage_queries_f16(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe
     return gl.convert_layout(gl.exp2(e), F_L)
 
 
+# Four E4M3 values a call: two exact cvts to float16 pairs, each times its scale pair in one packed multiply.
+# `x8.to(gl.float16) * s` compiles to the same cvts, but Triton unpacks each pair into halves, multiplies them one by
+# one, and ptxas re-pairs the multiplies only to split and repack every result for the store: two PRMT a pair
+# (sm_90 SASS of the seesaw kernel, thirty-fifth session). The _KEPT form first ands the bytes with a byte mask.
+_E4M3_SCALED = "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }"
+_E4M3_SCALED_ASM = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + _E4M3_SCALED)
+_E4M3_SCALED_KEPT_ASM = gl.constexpr(
+    "{ .reg .b32 x; .reg .b16 lo, hi; and.b32 x, $2, $5; mov.b32 {lo, hi}, x; " + _E4M3_SCALED)
+
+
+@gluon.jit
+def e4m3_scaled(x8, sc):
+    """E4M3 tile x8 times float16 factors sc (broadcast to x8's shape), as float16: the widening is exact, so the one
+    rounding is the product's, as in x8.to(float16) * sc."""
+    return gl.inline_asm_elementwise(_E4M3_SCALED_ASM, "=r,=r,r,r,r", [x8, sc], dtype=gl.float16, is_pure=True,
+                                     pack=4)
+
+
+@gluon.jit
+def e4m3_scaled_kept(x8, sc, keep):
+    """e4m3_scaled with the values where int8 `keep` (broadcast) is 0 taken as zeros (it is -1 where they count):
+    whatever their bytes hold, NaN included."""
+    return gl.inline_asm_elementwise(_E4M3_SCALED_KEPT_ASM, "=r,=r,r,r,r,r", [x8, sc, keep], dtype=gl.float16,
+                                     is_pure=True, pack=4)
+
+
 @gluon.jit
 def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: gl.constexpr):
     """E4M3 tile k8 [BN, R] times its per-token scales [BN, R / 128] -> float16 tile kb, 128 columns at a time:
@@ -267,9 +293,8 @@ def _dequantize_tile(k8, scales, kb, DQ_L: gl.constexpr, SC_L: gl.constexpr, R: 
     g_idx = gl.arange(0, R // 128, layout=gl.SliceLayout(0, SC_L))
     for g in gl.static_range(R // 128):
         sc = gl.sum(gl.where(g_idx[None, :] == g, scales, 0.0), axis=1)  # each thread holds its rows' scales
-        x = k8.slice(g * 128, 128, dim=1).load(DQ_L).to(gl.float16)
-        y = x * gl.convert_layout(sc, gl.SliceLayout(1, DQ_L)).to(gl.float16)[:, None]
-        kb.slice(g * 128, 128, dim=1).store(y)
+        sc16 = gl.convert_layout(sc, gl.SliceLayout(1, DQ_L)).to(gl.float16)
+        kb.slice(g * 128, 128, dim=1).store(e4m3_scaled(k8.slice(g * 128, 128, dim=1).load(DQ_L), sc16[:, None]))
 
 
 @gluon.jit

@@ -60,7 +60,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from deepinfer.backends.cuda_sm100.mla_gluon_kernels import (
-    _copy_query_rows, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item,
+    _copy_query_rows, _gdc_enter, _lse, _stage_queries_f16, _store_lse, _store_rows, _work_item, e4m3_scaled,
+    e4m3_scaled_kept,
 )
 
 
@@ -174,14 +175,27 @@ def _prefetch_block(cache, bt_row, start, kv_end, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _widened(x8, sc, live, TAIL):
-    """E4M3 values [64, 64] of one scale group times their tokens' scales (float16), as float16; zeros past the
-    sequence in its last block (the cache's bytes there may be NaN; a mask on every block cost the keys-as-M
-    producer 70% more instructions, mla_gluon_kt_ws_kernels)."""
-    x = x8.to(gl.float16) * sc[:, None]
-    if TAIL:
-        x = gl.where(live[:, None], x, 0.0)
-    return x
+def _widened(x8, sc, live, TAIL: gl.constexpr):
+    """E4M3 values [64, 64] of one scale group times their tokens' scales (float16), as float16; TAIL: zeros past
+    the sequence (the cache's bytes there may be NaN)."""
+    if TAIL:  # the mask on the bytes (a select on the float16 pairs splits and repacks each)
+        return e4m3_scaled_kept(x8, sc[:, None], gl.where(live, -1, 0).to(gl.int8)[:, None])
+    return e4m3_scaled(x8, sc[:, None])
+
+
+@gluon.jit
+def _widen_boxes(dst, sc0, sc1, live, TAIL: gl.constexpr):
+    """_widen's conversion of both landed E4M3 boxes into dst. The first box's float16 fills the lower half, which
+    holds no staged bytes; the second's overwrites both boxes, so every thread reads it first."""
+    a = _staging(dst, 0)
+    for c in gl.static_range(2):
+        dst.slice(c * BOX, BOX, dim=1).store(_widened(a.slice(c * BOX, BOX, dim=1).load(PE_L), sc0, live, TAIL))
+    b = _staging(dst, 1)
+    b0 = b.slice(0, BOX, dim=1).load(PE_L)
+    b1 = b.slice(BOX, BOX, dim=1).load(PE_L)
+    gl.thread_barrier()  # every thread has read the second box
+    dst.slice(2 * BOX, BOX, dim=1).store(_widened(b0, sc1, live, TAIL))
+    dst.slice(3 * BOX, BOX, dim=1).store(_widened(b1, sc1, live, TAIL))
 
 
 @gluon.jit
@@ -189,9 +203,8 @@ def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr)
     """Once latent half HALF of the key block at `start` has landed in dst's upper half (_load_part, FP8), widen
     it in place: E4M3 times the per-token scales of its two groups, rounded to float16 (as
     mla_gluon_kernels._dequantize_tile), over the whole buffer, 64 columns at a time (PE_L: 8 bytes a thread, a
-    swizzled 128-byte row of float16 a quarter warp). The first box's float16 fills the lower half, which holds
-    no staged bytes; the second's overwrites both boxes, so every thread reads it first. The scales are asked
-    for before the wait, so their latency hides behind it."""
+    swizzled 128-byte row of float16 a quarter warp; _widen_boxes). The scales are asked for before the wait, so
+    their latency hides behind it."""
     BS = cache[2]
     scl_ptr, scl_sb, scl_st, scale_off = cache[10:]
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
@@ -200,17 +213,13 @@ def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr)
     sp = scl_ptr + blk * scl_sb + (start % BS + n).to(gl.int64) * scl_st + scale_off + 2 * HALF
     sc0 = gl.load(sp, mask=live, other=0.0).to(gl.float16)
     sc1 = gl.load(sp + 1, mask=live, other=0.0).to(gl.float16)
-    tail = start + BN > kv_end
     mbarrier.wait(bars.index(bar), ph)
-    a = _staging(dst, 0)
-    for c in gl.static_range(2):
-        dst.slice(c * BOX, BOX, dim=1).store(_widened(a.slice(c * BOX, BOX, dim=1).load(PE_L), sc0, live, tail))
-    b = _staging(dst, 1)
-    b0 = b.slice(0, BOX, dim=1).load(PE_L)
-    b1 = b.slice(BOX, BOX, dim=1).load(PE_L)
-    gl.thread_barrier()  # every thread has read the second box
-    dst.slice(2 * BOX, BOX, dim=1).store(_widened(b0, sc1, live, tail))
-    dst.slice(3 * BOX, BOX, dim=1).store(_widened(b1, sc1, live, tail))
+    # The mask in a branch of its own, stores included: as a select on every block, ptxas split, selected and
+    # repacked each float16 pair, three times the widening's instructions (sm_90 SASS: 1691 PRMT in the kernel).
+    if start + BN <= kv_end:
+        _widen_boxes(dst, sc0, sc1, live, False)
+    else:
+        _widen_boxes(dst, sc0, sc1, live, True)
     fence_async_shared()  # generic-proxy stores, read by wgmma (async proxy) ...
     gl.thread_barrier()  # ... of every thread of this warpgroup (the other reads these halves only after the
     # probabilities this one publishes later)

@@ -40,6 +40,7 @@ def test_gluon_mla_kernel_compiles_for_sm90_within_its_shared_memory(compiled, f
     assert case["shared"] == G.SMEM_BYTES
     assert case["ptx"].count("wgmma.mma_async") > 0 and "cp.async.cg.shared.global" in case["ptx"]
     assert "griddepcontrol.wait" in case["ptx"]  # PDL: nothing is read before the previous kernel is done
+    assert ("mul.rn.f16x2" in case["ptx"]) == fp8  # an E4M3 tile widened and scaled a pair at a time
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -109,8 +110,12 @@ def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled, variant):
     assert "stmatrix" in ptx and "griddepcontrol.wait" in ptx
     assert ("cp.async.mbarrier.arrive.noinc" in ptx) == (variant != "fp8")
     assert ("cp.async.bulk.tensor.2d" in ptx) == (variant != "0")
-    # each warpgroup widens two halves of 64 x 256 a pair, and two before its loop: 8 x 64 x 256 values in all
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == (8 * 64 * 256 // 128 // 2 if variant == "fp8" else 0)
+    # each warpgroup widens two halves of 64 x 256 a pair, and two before its loop: 8 x 64 x 256 values in all,
+    # written twice (the plain conversion, and a sequence's last block's with its bytes masked), each pair of
+    # values times its scales in one packed multiply
+    widened = 2 * 8 * 64 * 256 // 128 // 2 if variant == "fp8" else 0
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == ptx.count("mul.rn.f16x2") == widened
+    assert ptx.count("and.b32 x, ") == widened // 4
 
 
 @pytest.mark.parametrize("layout", [0, 1])
