@@ -299,10 +299,11 @@ def seesaw_descriptors(spec: KVCacheSpec, views) -> tuple | None:
 
 
 # An FP8 cache's items take the seesaw kernel from this many keys (an item's span) on, the lockstep kernel below:
-# the seesaw's widening costs more a program and less a key. H200, 128 heads, mla_decode.py --sweep, graph replay
-# (RESULTS.md issue 8, thirty-fourth session): items of 1024 keys 0.386 ms seesaw vs 0.337 lockstep (64 x 4096),
-# 0.106 vs 0.096 (1 x 65536); of 2048 0.300 vs 0.311; of 4096 0.251 vs 0.300.
-SEESAW_E4M3_KEYS = 2048
+# the seesaw costs more a program and less a key. H100, 128 heads, mla_decode.py --sweep, graph replay, with the
+# widening a packed pair at a time (RESULTS.md issue 8, thirty-fifth session), seesaw vs lockstep, ms: items of
+# 1024 keys 0.310 vs 0.350 (64 x 4096), 0.089 vs 0.101 (1 x 65536), 0.584 vs 0.682 (16 x 32768); of 512 0.410 vs
+# 0.409, 0.121 vs 0.111, 0.786 vs 0.803; of 256 the lockstep kernel on all three.
+SEESAW_E4M3_KEYS = 1024
 
 
 def seesaw_wanted(spec: KVCacheSpec, span: int, device: torch.device) -> bool:
