@@ -260,7 +260,8 @@ def _stage_queries_f16(q_smem, qpe_smem, q_ptr, qpe_ptr, q_st, q_sh, qpe_st, qpe
 # `x8.to(gl.float16) * s` compiles to the same cvts, but Triton unpacks each pair into halves, multiplies them one by
 # one, and ptxas re-pairs the multiplies only to split and repack every result for the store: two PRMT a pair
 # (sm_90 SASS of the seesaw kernel, thirty-fifth session). The _KEPT form first ands the bytes with a byte mask.
-_E4M3_SCALED = "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }"
+_E4M3_SCALED = ("cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; "
+                "mul.rn.f16x2 $0, $0, $3; mul.rn.f16x2 $1, $1, $4; }")
 _E4M3_SCALED_ASM = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + _E4M3_SCALED)
 _E4M3_SCALED_KEPT_ASM = gl.constexpr(
     "{ .reg .b32 x; .reg .b16 lo, hi; and.b32 x, $2, $5; mov.b32 {lo, hi}, x; " + _E4M3_SCALED)
