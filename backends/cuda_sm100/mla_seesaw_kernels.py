@@ -124,14 +124,21 @@ def _staging(dst, c: gl.constexpr):
 
 
 @gluon.jit
+def _cache_block(bt_row, start, kv_end, BS):
+    """The cache block holding key `start` (0 past the item's end)."""
+    return gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
+
+
+@gluon.jit
 def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constexpr, ROPE: gl.constexpr,
                L: gl.constexpr, PL: gl.constexpr, TMA: gl.constexpr, FP8: gl.constexpr):
     """Copy one part of the key block at `start` and signal `bar` when it lands: latent half HALF (0 left, 1
     right, -1 none) into dst_a, and with ROPE the rope keys into dst_b. cp.async zero-fills keys past kv_end;
     TMA copies the whole cache block (its tail is zeroed before a product, _zero_tail). FP8 (TMA only): the
-    half's E4M3 bytes into dst_a's upper half (_staging), for _widen."""
+    half's E4M3 bytes into dst_a's upper half (_staging), for _widen. Returns the cache block, which _widen takes
+    from the warpgroup's last copy of that key block rather than loading it again on its way to the scales."""
     lat_ptr, rope_ptr, BS, lat_sb, lat_st, rope_sb, rope_st, rope_off, kv_desc, pe_desc = cache[:10]
-    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
+    blk = _cache_block(bt_row, start, kv_end, BS)
     row = blk * BS + start % BS  # TMA's cache row
     if FP8:
         mbarrier.expect(bar, BN * (_HALF * (HALF >= 0) + 2 * P * ROPE))
@@ -150,14 +157,15 @@ def _load_part(dst_a, dst_b, bar, cache, bt_row, start, kv_end, HALF: gl.constex
         if ROPE:
             tma.async_copy_global_to_shared(kv_desc, [row, R], bar, dst_b)
     else:
-        blk = blk.to(gl.int64)
+        blk64 = blk.to(gl.int64)
         if HALF >= 0:
-            rows, ok = _key_rows(blk, start, kv_end, BS, lat_sb, lat_st, L)
+            rows, ok = _key_rows(blk64, start, kv_end, BS, lat_sb, lat_st, L)
             _copy_rows(dst_a, lat_ptr, rows, HALF * _HALF, ok, _HALF, L)
         if ROPE:
-            prow, pok = _key_rows(blk, start, kv_end, BS, rope_sb, rope_st, PL)
+            prow, pok = _key_rows(blk64, start, kv_end, BS, rope_sb, rope_st, PL)
             _copy_rows(dst_b, rope_ptr, prow + rope_off, 0, pok, P, PL)
         async_copy.mbarrier_arrive(bar, increment_count=False)
+    return blk
 
 
 @gluon.jit
@@ -199,20 +207,20 @@ def _widen_boxes(dst, sc0, sc1, live, TAIL: gl.constexpr):
 
 
 @gluon.jit
-def _widen(dst, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr):
+def _widen(dst, bars, bar, ph, cache, blk, start, kv_end, HALF: gl.constexpr):
     """Once latent half HALF of the key block at `start` has landed in dst's upper half (_load_part, FP8), widen
     it in place: E4M3 times the per-token scales of its two groups, rounded to float16 (as
     mla_gluon_kernels._dequantize_tile), over the whole buffer, 64 columns at a time (PE_L: 8 bytes a thread, a
     swizzled 128-byte row of float16 a quarter warp; _widen_boxes). The scales are asked for before the wait, so
-    their latency hides behind it."""
+    their latency hides behind it. blk: the cache block (_load_part's)."""
     BS = cache[2]
     scl_ptr, scl_sb, scl_st, scale_off = cache[10:]
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, PE_L))
     live = start + n < kv_end
-    blk = gl.load(bt_row + start // BS, mask=start < kv_end, other=0).to(gl.int64)
-    sp = scl_ptr + blk * scl_sb + (start % BS + n).to(gl.int64) * scl_st + scale_off + 2 * HALF
-    sc0 = gl.load(sp, mask=live, other=0.0).to(gl.float16)
-    sc1 = gl.load(sp + 1, mask=live, other=0.0).to(gl.float16)
+    sp = scl_ptr + blk.to(gl.int64) * scl_sb + (start % BS + n).to(gl.int64) * scl_st + scale_off + 2 * HALF
+    sc = gl.load(sp.to(gl.pointer_type(gl.int64)), mask=live, other=0)
+    sc0 = sc.to(gl.int32).to(gl.float32, bitcast=True).to(gl.float16)
+    sc1 = (sc >> 32).to(gl.int32).to(gl.float32, bitcast=True).to(gl.float16)
     mbarrier.wait(bars.index(bar), ph)
     # The mask in a branch of its own, stores included: as a select on every block, ptxas split, selected and
     # repacked each float16 pair, three times the widening's instructions (sm_90 SASS: 1691 PRMT in the kernel).
@@ -259,10 +267,10 @@ def _scores(a0, b0, bar0, a1, b1, bar1, a2, b2, bar2, bars, ph, zero, TMA: gl.co
 
 
 @gluon.jit
-def _widen_and_score(s, a, b, bars, bar, ph, cache, bt_row, start, kv_end, HALF: gl.constexpr):
+def _widen_and_score(s, a, b, bars, bar, ph, cache, blk, start, kv_end, HALF: gl.constexpr):
     """FP8: widen latent half HALF of the key block at `start` (_widen), then add its part of q K^T to s (in
     flight), so that the next part's widening runs under this product."""
-    _widen(b, bars, bar, ph, cache, bt_row, start, kv_end, HALF)
+    _widen(b, bars, bar, ph, cache, blk, start, kv_end, HALF)
     return warpgroup_mma(a, b.permute((1, 0)), s, is_async=True)
 
 
@@ -363,16 +371,16 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
     if n_pairs > 0:
         if FP8:  # FP8: each latent half widened under the product before it
             if W == 0:
-                _widen(k_l.index(0), bars, _K0L, 0, cache, bt_row, kv_lo, kv_end, 0)
+                blk = _cache_block(bt_row, kv_lo, kv_end, cache[2])
+                _widen(k_l.index(0), bars, _K0L, 0, cache, blk, kv_lo, kv_end, 0)
                 s0 = _scores_begin(q_l.index(0), k_l.index(0), _K0L, bars, 0, zero, TMA)
-                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(0), bars, _K0RE, 0, cache, bt_row, kv_lo, kv_end, 1)
+                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(0), bars, _K0RE, 0, cache, blk, kv_lo, kv_end, 1)
                 s0 = _rope_scores(s0, q_e.index(0), k_e.index(0))
             else:
+                blk = _cache_block(bt_row, kv_lo + BN, kv_end, cache[2])
                 s0 = _scores_begin(q_e.index(0), k_e.index(1), _K1E, bars, 0, zero, TMA)
-                s0 = _widen_and_score(s0, q_l.index(0), k_l.index(1), bars, _K1L, 0, cache, bt_row, kv_lo + BN,
-                                      kv_end, 0)
-                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(1), bars, _K1R, 0, cache, bt_row, kv_lo + BN,
-                                      kv_end, 1)
+                s0 = _widen_and_score(s0, q_l.index(0), k_l.index(1), bars, _K1L, 0, cache, blk, kv_lo + BN, kv_end, 0)
+                s0 = _widen_and_score(s0, q_r.index(0), k_r.index(1), bars, _K1R, 0, cache, blk, kv_lo + BN, kv_end, 1)
                 s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0,))
         elif W == 0:
             s0 = _scores(q_l.index(0), k_l.index(0), _K0L, q_r.index(0), k_r.index(0), _K0RE, q_e.index(0),
@@ -403,10 +411,11 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
             _zero_tail(k_l.index(z), start, kv_end, ZERO_TAIL, PE_L)
             o = warpgroup_mma(gl.convert_layout(p.to(k_l.dtype), A_L), k_l.index(z), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            nb = 0  # the next pair's first cache block, for its widening
             if more:  # K0's left half is done with: the next pair's, in flight from now
                 gl.thread_barrier()
-                _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end, 0,
-                           False, CP_L, PE_L, TMA, FP8)
+                nb = _load_part(k_l.index(z), k_e.index(z), bars.index(_K0L), cache, bt_row, start + 2 * BN, kv_end,
+                                0, False, CP_L, PE_L, TMA, FP8)
             mbarrier.wait(bars.index(_X1), ph)
             m = xch.slice(BM, BM).load(gl.SliceLayout(1, S_L))
             scale = gl.exp2(m0 - m)
@@ -419,14 +428,14 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                 # The next pair's scores over K0's left half (reloaded after p0 . V0_L) queue behind p1 . V1_L, so
                 # the tensor cores go on from one to the other (H200, 128 heads: ~1.7% faster, RESULTS.md).
                 if FP8:
-                    _widen(k_l.index(z), bars, _K0L, ph ^ 1, cache, bt_row, start + 2 * BN, kv_end, 0)
+                    _widen(k_l.index(z), bars, _K0L, ph ^ 1, cache, nb, start + 2 * BN, kv_end, 0)
                 sn = _scores_begin(ql, k_l.index(z), _K0L, bars, ph ^ 1, zero, TMA)
                 o = warpgroup_mma_wait(num_outstanding=1, deps=(oa,))
                 gl.thread_barrier()  # the last use of K1's left half
                 _load_part(k_l.index(z + 1), k_e.index(z + 1), bars.index(_K1L), cache, bt_row, start + 3 * BN,
                            kv_end, 0, False, CP_L, PE_L, TMA, FP8)
                 if FP8:
-                    sn = _widen_and_score(sn, qr, k_r.index(z), bars, _K0RE, ph ^ 1, cache, bt_row, start + 2 * BN,
+                    sn = _widen_and_score(sn, qr, k_r.index(z), bars, _K0RE, ph ^ 1, cache, nb, start + 2 * BN,
                                           kv_end, 1)
                     s0 = _rope_scores(sn, qe, k_e.index(z))
                 else:
@@ -469,12 +478,12 @@ def _warpgroup(smem, bars, cache, bt_row, kv_lo, kv_end, n_pairs, pos_args, qk_s
                 sn = _scores_begin(qe, k_e.index(z + 1), _K1E, bars, ph ^ 1, zero, TMA)
                 o = warpgroup_mma_wait(num_outstanding=1, deps=(oa,))
                 gl.thread_barrier()
-                _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
-                           kv_end, 1, False, CP_L, PE_L, TMA, FP8)
+                nb = _load_part(k_r.index(z + 1), k_e.index(z + 1), bars.index(_K1R), cache, bt_row, start + 2 * BN,
+                                kv_end, 1, False, CP_L, PE_L, TMA, FP8)
                 if FP8:
-                    sn = _widen_and_score(sn, ql, k_l.index(z + 1), bars, _K1L, ph ^ 1, cache, bt_row, start + 2 * BN,
+                    sn = _widen_and_score(sn, ql, k_l.index(z + 1), bars, _K1L, ph ^ 1, cache, nb, start + 2 * BN,
                                           kv_end, 0)
-                    sn = _widen_and_score(sn, qr, k_r.index(z + 1), bars, _K1R, ph ^ 1, cache, bt_row, start + 2 * BN,
+                    sn = _widen_and_score(sn, qr, k_r.index(z + 1), bars, _K1R, ph ^ 1, cache, nb, start + 2 * BN,
                                           kv_end, 1)
                     s0 = warpgroup_mma_wait(num_outstanding=0, deps=(sn,))
                 else:
