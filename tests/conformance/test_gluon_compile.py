@@ -110,6 +110,8 @@ def test_seesaw_mla_kernel_compiles_for_sm90_without_spills(compiled, variant):
     assert "stmatrix" in ptx and "griddepcontrol.wait" in ptx
     assert ("cp.async.mbarrier.arrive.noinc" in ptx) == (variant != "fp8")
     assert ("cp.async.bulk.tensor.2d" in ptx) == (variant != "0")
+    # a bf16 cache's direct output leaves through shared memory, whole rows in 16-byte stores (_store_direct)
+    assert ("st.global.v4" in ptx) == (variant != "fp8")
     # each warpgroup widens two halves of 64 x 256 a pair, and two before its loop: 8 x 64 x 256 values in all,
     # written twice (the plain conversion, and a sequence's last block's with its bytes masked), each pair of
     # values times its scales in one packed multiply
