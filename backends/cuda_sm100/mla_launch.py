@@ -285,7 +285,7 @@ def seesaw_descriptors(spec: KVCacheSpec, views) -> tuple | None:
     keys in 64 x 64. None where blocks are not back to back or the base is not 16-byte aligned."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    S = gluon_gate.kernels("mla_seesaw_kernels")
+    S = gluon_gate.kernels("mla_seesaw_keys")  # the key blocks' boxes and shared layouts
     lat, rope, lat_st, rope_st, rope_off, bs = views[0], views[2], views[4], views[8], views[10], views[-1]
     if not _blocks_back_to_back(views):
         return None

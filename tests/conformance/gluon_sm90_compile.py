@@ -60,11 +60,12 @@ def mla_keys_as_m_ws():
 
 
 def mla_seesaw(tma: bool, fp8: bool = False):
+    from deepinfer.backends.cuda_sm100 import mla_seesaw_keys as K
     from deepinfer.backends.cuda_sm100 import mla_seesaw_kernels as S
 
-    kv = pe = f"tensordesc<bf16[64, 64],{S.KV_SMEM.value!r}>" if tma else "*bf16"  # eager launches pass the cache
+    kv = pe = f"tensordesc<bf16[64, 64],{K.KV_SMEM.value!r}>" if tma else "*bf16"  # eager launches pass the cache
     if fp8:
-        kv = f"tensordesc<fp8e4nv[64, {S.E4M3_BOX.value}],{S.E4M3_SMEM.value!r}>"
+        kv = f"tensordesc<fp8e4nv[64, {K.E4M3_BOX.value}],{K.E4M3_SMEM.value!r}>"
     return compile_sm90(S.mla_seesaw_kernel, {**mla_args(fp8), "kv_desc": kv, "pe_desc": pe},
                         dict(TMA=tma, FP8=fp8, PDL=True), S.NUM_WARPS, maxnreg=S.MAXNREG)
 
