@@ -160,19 +160,16 @@ def _rows(x, L: gl.constexpr):
 
 
 @gluon.jit
-def _store_direct(o, stage, col0, out_ptr, o_st, o_sh, row0, H, tok0, qlen):
-    """Store normalised rows row0 + i (query j = row // H, head h = row % H; columns [col0, col0 + 256)) to the
-    direct bf16 output through `stage` (a dead [64, 256] bf16 key buffer), so that each warp stores whole rows of
-    512 bytes rather than the wgmma layout's 4 bytes a thread (H100, bf16 cache, 64 x 4096 x 128: 1.5-2.3%
-    faster, benchmarks/RESULTS.md issue 8, thirty-ninth session)."""
+def _store_direct(o, stage, col0, dst, row0, H, tok0, qlen):
+    """_store_rows' direct bf16 output (slot -1) of normalised rows, columns [col0, col0 + 256), through `stage` (a
+    dead [64, 256] bf16 key buffer), so that each warp stores whole rows of 512 bytes rather than the wgmma
+    layout's 4 bytes a thread (H100, bf16 cache, 64 x 4096 x 128: 1.5-2.3% faster, benchmarks/RESULTS.md issue 8,
+    thirty-ninth session)."""
     stage.store(o.to(gl.bfloat16))
     gl.thread_barrier()
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    r = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
-    j = r // H
-    off = (tok0 + j).to(gl.int64) * o_st + (r % H) * o_sh
-    c = col0 + gl.arange(0, _HALF, layout=gl.SliceLayout(0, L))
-    gl.store(out_ptr + off[:, None] + c[None, :], stage.load(L), mask=(j < qlen)[:, None])
+    co = col0 + gl.arange(0, _HALF, layout=gl.SliceLayout(0, L))
+    _store_rows(stage.load(L), co, dst, row0, H, tok0, qlen, -1, L, R)
 
 
 @gluon.jit
@@ -193,7 +190,7 @@ def _finish(o, m, l, smem, bars, W: gl.constexpr, out_args, O_L: gl.constexpr, S
     o = o * _rows(inv_l, O_L)
     if not FP8 and slot == -1:
         stage = k_l.index(0) if W == 0 else k_r.index(0)
-        _store_direct(o, stage, W * _HALF, out_ptr, o_st, o_sh, row0, H, tok0, qlen)
+        _store_direct(o, stage, W * _HALF, dst, row0, H, tok0, qlen)
     else:
         co = W * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(0, O_L))
         _store_rows(o, co, dst, row0, H, tok0, qlen, slot, O_L, R)
