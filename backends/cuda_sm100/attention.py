@@ -111,38 +111,63 @@ SMALL_STEP_KEYS = 32768  # below this many keys in a step, latency beats the par
 TINY_STEP_KEYS = 4096
 
 
-def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int = 0) -> int:
+# Items of at most 16 rows on the keys-as-M kernels (one program an SM) take one wave instead of two once the
+# two-wave split reaches this many keys. H100, mla_decode.py, 16 heads, two waves / one wave, ms (RESULTS.md,
+# issue 8, fortieth session): 128 x 4096 keys bf16 0.2293 / 0.2213, FP8 0.1522 / 0.1411; 64 x 4096 bf16 0.1292 /
+# 0.1237, FP8 0.0920 / 0.0848; 32 x 65536 bf16 0.8263 / 0.8242, FP8 0.5079 / 0.5009. Short items keep two:
+# one wave of 256-key items lost 1% end to end (H200, e2e V2-Lite FP8 batch 32 at 1k, 2026-12-01).
+ONE_WAVE_SPLIT = 1024
+
+
+def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int = 0, one_per_sm: bool = False) -> int:
     """Keys per split: a power of two giving about one wave of programs over the splittable sequences.
 
     `rows` is an item's query rows (heads x queries; 0 = unknown). Items of at most 32 rows are one
-    one-warpgroup program: about two items per SM. (The keys-as-M kernels' shared memory takes one program an SM,
-    so that is two waves; one wave measured 1% slower, H200, e2e V2-Lite FP8 batch 32 at 1k, 2026-12-01.)
-    Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8 warps, ~225 KiB of shared memory):
-    about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items
+    one-warpgroup program: about two items per SM. one_per_sm: such items run one program an SM (the keys-as-M
+    kernels' shared memory), so two items an SM are two waves; from ONE_WAVE_SPLIT keys on they take one wave of
+    splits of up to 16384 keys instead. Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8
+    warps, ~225 KiB of shared memory): about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items
     (128 programs) were fastest at 64x4096, 16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096 0.2005 ms
     vs 0.2460 at two items per SM.
 
     On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
     on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
     items would leave most SMs idle and the partials are small in absolute terms, and 64 for the fewest
-    (a lone short sequence: its latency is the tiles each item walks); 16 under the interpreter; at most 8192.
+    (a lone short sequence: its latency is the tiles each item walks); 16 under the interpreter; at most 8192
+    (16384 for one_per_sm's one wave).
     """
     env = os.environ.get("DEEPINFER_MLA_SPLIT_TOKENS")
     if env:
         return _check_split(int(env))
     total = sum(split_lens)
     lo = (64 if total <= TINY_STEP_KEYS else 128 if total <= SMALL_STEP_KEYS else 512) if device.type == "cuda" else 16
-    target = 2 * _num_sms(device) if rows <= 32 else max(1, _num_sms(device) // cdiv(rows, 64))
-    s = lo
-    while s < 8192 and cdiv(total, s) > target:
-        s *= 2
-    return s
+    sms = _num_sms(device)
+
+    def fit(target: int, most: int = 8192) -> int:
+        s = lo
+        while s < most and cdiv(total, s) > target:
+            s *= 2
+        return s
+
+    if rows > 32:
+        return fit(max(1, sms // cdiv(rows, 64)))
+    s = fit(2 * sms)
+    return fit(sms, 16384) if one_per_sm and s >= ONE_WAVE_SPLIT else s
 
 
 def _item_rows(batch: AttentionBatch, spec: KVCacheSpec) -> int:
     """Query rows of the largest splittable item (0 where the spec does not say how many heads)."""
     qmax = max((q for q in batch.query_lens if q <= SPLIT_MAX_QLEN), default=0)
     return spec.query_heads * qmax
+
+
+def _split_for(lens: list[int], batch: AttentionBatch, spec: KVCacheSpec, device: torch.device) -> int:
+    """choose_split_tokens for this batch's items, knowing whether they run one program an SM (the model's bf16
+    queries on the keys-as-M kernels: what run_attention takes for such items where they run)."""
+    rows = _item_rows(batch, spec)
+    one_per_sm = (0 < rows and L.gluon_tile_usable(spec, torch.bfloat16, device)
+                  and L.keys_as_m_usable(spec, rows, device))
+    return choose_split_tokens(lens, device, rows, one_per_sm)
 
 
 def _check_split(s: int) -> int:
@@ -202,7 +227,7 @@ def plan_mla(
     else:
         # A plan captured for a graph serves every length up to max_seq_len: size splits for half of it.
         splittable = [max(s, cap_len // 2) for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-        split = choose_split_tokens(splittable, device, _item_rows(batch, spec))
+        split = _split_for(splittable, batch, spec, device)
     dec, pre, seq_split, slots = _schedule(batch, split, cap_len)
     width = max(cdiv(cap_len, spec.block_size), common["block_table"].shape[1])  # room to grow (graphs)
     if width > common["block_table"].shape[1]:
@@ -284,7 +309,7 @@ def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device)
     if not plan.split_tokens:
         return None, _schedule(batch, None, 0)
     lens = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-    split = max(64, choose_split_tokens(lens, device, _item_rows(batch, plan.spec)))
+    split = max(64, _split_for(lens, batch, plan.spec, device))
     while True:
         schedule = _schedule(batch, split, 0)
         dec, _, _, slots = schedule

@@ -141,6 +141,43 @@ def test_split_rule_picks_the_splits_the_h200_sweep_found_best(monkeypatch):
         assert A.choose_split_tokens(list(lens), torch.device("cuda"), heads) == split, (len(lens), lens[0], heads)
 
 
+@pytest.mark.parametrize("seq_lens", [(4096,) * 128, (4096,) * 64, (65536,) * 32, (1024,) * 32, (4096,) * 32,
+                                      (1024,) * 300, (100, 70000, 300)])
+def test_one_program_an_sm_takes_one_wave_for_long_items(monkeypatch, seq_lens):
+    """Plain Python: items of at most 16 rows that run one program an SM (the keys-as-M kernels) take the smallest
+    split giving one wave (up to 16384 keys) where the two-wave rule's split reaches ONE_WAVE_SPLIT, and the
+    two-wave split below it. _split_for asks for it only where run_attention would take that kernel."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    monkeypatch.setattr(A, "_num_sms", lambda device: 132)
+    monkeypatch.delenv("DEEPINFER_MLA_SPLIT_TOKENS", raising=False)
+    cuda = torch.device("cuda")
+    two = A.choose_split_tokens(list(seq_lens), cuda, 16)
+    one = A.choose_split_tokens(list(seq_lens), cuda, 16, one_per_sm=True)
+    waves = lambda s: cdiv(sum(seq_lens), s) / 132  # noqa: E731  (the rule counts keys, not sequences)
+    if two < A.ONE_WAVE_SPLIT:
+        assert one == two
+    else:
+        assert one & (one - 1) == 0 and two <= one <= 16384
+        assert waves(one) <= 1 or one == 16384
+        assert one == two or waves(one // 2) > 1
+    expected = {(4096,) * 128: 4096, (4096,) * 64: 2048, (65536,) * 32: 16384, (1024,) * 32: 128, (4096,) * 32: 512}
+    assert one == expected.get(tuple(seq_lens), one)
+
+    spec = KVCacheSpec(1, 64, 512, 64, "bf16", 16)
+    batch = AttentionBatch((1,) * len(seq_lens), seq_lens, tuple((0,) for _ in seq_lens))
+    asked = []
+    monkeypatch.setattr(A.L, "gluon_tile_usable", lambda spec_, q_dtype, device: True)
+    monkeypatch.setattr(A.L, "keys_as_m_usable", lambda spec_, rows, device: asked.append(rows) or rows <= 16)
+    assert A._split_for(list(seq_lens), batch, spec, cuda) == one and asked == [16]
+    verify = AttentionBatch((2,) * len(seq_lens), seq_lens, batch.block_tables)  # 32 rows: the 64-row kernels
+    assert A._split_for(list(seq_lens), verify, spec, cuda) == two
+    monkeypatch.setattr(A.L, "gluon_tile_usable", lambda spec_, q_dtype, device: False)
+    assert A._split_for(list(seq_lens), batch, spec, cuda) == two
+    unknown = KVCacheSpec(1, 64, 512, 64, "bf16")  # no head count: the rule cannot tell
+    assert A._split_for(list(seq_lens), batch, unknown, cuda) == A.choose_split_tokens(list(seq_lens), cuda, 0)
+
+
 def test_query_heads_must_not_be_negative():
     with pytest.raises(InvalidInputError, match="query_heads"):
         KVCacheSpec(4, 64, 512, 64, "bf16", -1)
