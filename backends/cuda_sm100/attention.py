@@ -111,24 +111,16 @@ SMALL_STEP_KEYS = 32768  # below this many keys in a step, latency beats the par
 TINY_STEP_KEYS = 4096
 
 
-# Items of at most 16 rows on the keys-as-M kernels (one program an SM) take one wave instead of two once the
-# two-wave split reaches this many keys. H100, mla_decode.py, 16 heads, two waves / one wave, ms (RESULTS.md,
-# issue 8, fortieth session): 128 x 4096 keys bf16 0.2293 / 0.2213, FP8 0.1522 / 0.1411; 64 x 4096 bf16 0.1292 /
-# 0.1237, FP8 0.0920 / 0.0848; 32 x 65536 bf16 0.8263 / 0.8242, FP8 0.5079 / 0.5009. Short items keep two:
-# one wave of 256-key items lost 1% end to end (H200, e2e V2-Lite FP8 batch 32 at 1k, 2026-12-01).
-ONE_WAVE_SPLIT = 1024
-
-
 def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int = 0, one_per_sm: bool = False) -> int:
     """Keys per split: a power of two giving about one wave of programs over the splittable sequences.
 
     `rows` is an item's query rows (heads x queries; 0 = unknown). Items of at most 32 rows are one
     one-warpgroup program: about two items per SM. one_per_sm: such items run one program an SM (the keys-as-M
-    kernels' shared memory), so two items an SM are two waves; from ONE_WAVE_SPLIT keys on they take one wave of
-    splits of up to 16384 keys instead. Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8
-    warps, ~225 KiB of shared memory): about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items
-    (128 programs) were fastest at 64x4096, 16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096 0.2005 ms
-    vs 0.2460 at two items per SM.
+    kernels' shared memory), where two items an SM would be two waves: about one item per SM, in splits of up to
+    16384 keys. Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8 warps, ~225 KiB of shared
+    memory): about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30):
+    64 items (128 programs) were fastest at 64x4096, 16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096
+    0.2005 ms vs 0.2460 at two items per SM.
 
     On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
     on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
@@ -151,8 +143,12 @@ def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int =
 
     if rows > 32:
         return fit(max(1, sms // cdiv(rows, 64)))
-    s = fit(2 * sms)
-    return fit(sms, 16384) if one_per_sm and s >= ONE_WAVE_SPLIT else s
+    # One program an SM: one wave beat two at every size measured. H100, mla_decode.py, 16 heads, the two-wave
+    # split / the one-wave split, ms (RESULTS.md, issue 8, fortieth session): bf16 128 x 4096 keys 0.2293 / 0.2213,
+    # 64 x 4096 0.1292 / 0.1237, 32 x 4096 0.0775 / 0.0729, 32 x 1024 0.0352 / 0.0294; FP8 0.1522 / 0.1411,
+    # 0.0920 / 0.0848, 0.0589 / 0.0527, 0.0307 / 0.0237. e2e V2-Lite batch 32 at 1k, tok/s: FP8 weights and cache
+    # 4126.9, 4124.3 / 4161.8, 4156.0; bf16 2637.8 / 2656.8.
+    return fit(sms, 16384) if one_per_sm else fit(2 * sms)
 
 
 def _item_rows(batch: AttentionBatch, spec: KVCacheSpec) -> int:

@@ -142,11 +142,11 @@ def test_split_rule_picks_the_splits_the_h200_sweep_found_best(monkeypatch):
 
 
 @pytest.mark.parametrize("seq_lens", [(4096,) * 128, (4096,) * 64, (65536,) * 32, (1024,) * 32, (4096,) * 32,
-                                      (1024,) * 300, (100, 70000, 300)])
-def test_one_program_an_sm_takes_one_wave_for_long_items(monkeypatch, seq_lens):
+                                      (1024,) * 300, (100, 70000, 300), (700,)])
+def test_one_program_an_sm_takes_one_wave(monkeypatch, seq_lens):
     """Plain Python: items of at most 16 rows that run one program an SM (the keys-as-M kernels) take the smallest
-    split giving one wave (up to 16384 keys) where the two-wave rule's split reaches ONE_WAVE_SPLIT, and the
-    two-wave split below it. _split_for asks for it only where run_attention would take that kernel."""
+    split (from the same floor) giving one wave of programs, up to 16384 keys, where others get two a SM.
+    _split_for asks for it only where run_attention would take that kernel."""
     from deepinfer.backends.cuda_sm100 import attention as A
 
     monkeypatch.setattr(A, "_num_sms", lambda device: 132)
@@ -155,13 +155,13 @@ def test_one_program_an_sm_takes_one_wave_for_long_items(monkeypatch, seq_lens):
     two = A.choose_split_tokens(list(seq_lens), cuda, 16)
     one = A.choose_split_tokens(list(seq_lens), cuda, 16, one_per_sm=True)
     waves = lambda s: cdiv(sum(seq_lens), s) / 132  # noqa: E731  (the rule counts keys, not sequences)
-    if two < A.ONE_WAVE_SPLIT:
-        assert one == two
-    else:
-        assert one & (one - 1) == 0 and two <= one <= 16384
-        assert waves(one) <= 1 or one == 16384
-        assert one == two or waves(one // 2) > 1
-    expected = {(4096,) * 128: 4096, (4096,) * 64: 2048, (65536,) * 32: 16384, (1024,) * 32: 128, (4096,) * 32: 512}
+    total = sum(seq_lens)
+    floor = 64 if total <= A.TINY_STEP_KEYS else 128 if total <= A.SMALL_STEP_KEYS else 512
+    assert one & (one - 1) == 0 and max(floor, two) <= one <= 16384
+    assert waves(one) <= 1 or one == 16384
+    assert one == floor or waves(one // 2) > 1
+    expected = {(4096,) * 128: 4096, (4096,) * 64: 2048, (65536,) * 32: 16384, (1024,) * 32: 256, (4096,) * 32: 1024,
+                (700,): 64}
     assert one == expected.get(tuple(seq_lens), one)
 
     spec = KVCacheSpec(1, 64, 512, 64, "bf16", 16)
