@@ -10,7 +10,7 @@ measures HBM read bandwidth (sum over 4 GiB bf16), a 2 GiB device copy and the b
 The peer is absorbed MLA in plain PyTorch (einsum over a contiguous bf16 cache, fp32 softmax), also
 graph-replayed; FP8 rows are compared with the same bf16 peer (PyTorch has no fused FP8 attention).
 --sweep also tries a few kernel configurations and split sizes per shape and reports the fastest next to
-the default (the numbers in parentheses).
+the default (the numbers in parentheses); --splits 1024,2048 tries those split sizes (default tiles) instead.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="all", help="all or e.g. '64x4096x128,128x4096x16'")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--splits", default="", help="e.g. '1024,2048': the plan's split forced to each (vs the rule's)")
     args = ap.parse_args()
     from deepinfer.registry import load_backend
 
@@ -125,6 +126,8 @@ def main() -> None:
             flops = 2 * b * h * ctx * (RANK + ROPE + RANK)
             cls = (kv_dtype, 16 if h <= 16 else 32 if h <= 32 else 128)
             cands = SWEEP[cls] if args.sweep else [("", None)]
+            if args.splits:  # the rule's own choice first, then each forced split, all on the default tiles
+                cands = [("", None)] + [("", int(v)) for v in args.splits.split(",")]
             results = []
             for ci, (cfg, split_override) in enumerate(cands):
                 if cfg:
