@@ -129,8 +129,8 @@ def test_split_rule_gives_about_one_wave_of_programs(monkeypatch, heads, seq_len
 
 def test_split_rule_picks_the_splits_the_h200_sweep_found_best(monkeypatch):
     """128 heads (two 64-row programs an item), 132 SMs: the splits that measured fastest on the H200
-    (benchmarks/RESULTS.md, issue 8, tenth session), bf16 and FP8 alike; 16 heads keep the measured 2048 at
-    128 x 4096."""
+    (benchmarks/RESULTS.md, issue 8, tenth session), bf16 and FP8 alike; 16 heads on tiles that fit two programs an
+    SM keep the measured 2048 at 128 x 4096 (the keys-as-M kernels' one wave: test_one_program_an_sm_takes_one_wave)."""
     from deepinfer.backends.cuda_sm100 import attention as A
 
     monkeypatch.setattr(A, "_num_sms", lambda device: 132)
