@@ -53,6 +53,7 @@ class MLAPlan(AttentionPlan):
     """
 
     split_tokens: int = 0
+    one_per_sm: bool = False  # its decode items run one program an SM (choose_split_tokens)
     fallback: str = ""  # non-empty: why this plan runs on the reference math
     batch_invariant: bool = False
     meta: torch.Tensor | None = None
@@ -157,15 +158,6 @@ def _item_rows(batch: AttentionBatch, spec: KVCacheSpec) -> int:
     return spec.query_heads * qmax
 
 
-def _split_for(lens: list[int], batch: AttentionBatch, spec: KVCacheSpec, device: torch.device) -> int:
-    """choose_split_tokens for this batch's items, knowing whether they run one program an SM (the model's bf16
-    queries on the keys-as-M kernels: what run_attention takes for such items where they run)."""
-    rows = _item_rows(batch, spec)
-    one_per_sm = (0 < rows and L.gluon_tile_usable(spec, torch.bfloat16, device)
-                  and L.keys_as_m_usable(spec, rows, device))
-    return choose_split_tokens(lens, device, rows, one_per_sm)
-
-
 def _check_split(s: int) -> int:
     if s < 16 or s & (s - 1):
         raise InvalidInputError(f"split_tokens must be a power of two >= 16, got {s}")
@@ -216,6 +208,8 @@ def plan_mla(
     if gap:
         return MLAPlan(**common, fallback=gap, batch_invariant=batch_invariant)
     cap_len = max_seq_len or 0
+    rows = _item_rows(batch, spec)
+    one_per_sm = L.one_program_an_sm(spec, rows, device)  # fixed for the plan: its replans (into=) reuse it
     if batch_invariant:
         split = None  # every query reduces over the same key tiles in the same order, in any batch
     elif split_tokens is not None:
@@ -223,7 +217,7 @@ def plan_mla(
     else:
         # A plan captured for a graph serves every length up to max_seq_len: size splits for half of it.
         splittable = [max(s, cap_len // 2) for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-        split = _split_for(splittable, batch, spec, device)
+        split = choose_split_tokens(splittable, device, rows, one_per_sm)
     dec, pre, seq_split, slots = _schedule(batch, split, cap_len)
     width = max(cdiv(cap_len, spec.block_size), common["block_table"].shape[1])  # room to grow (graphs)
     if width > common["block_table"].shape[1]:
@@ -232,8 +226,8 @@ def plan_mla(
         common["block_table"] = table
     meta, tok_seq, dec_t, pre_t = _pack(batch, seq_split, dec, pre, device)
     plan = MLAPlan(
-        **common, split_tokens=split or 0, batch_invariant=batch_invariant, meta=meta, tok_seq=tok_seq,
-        dec_items=dec_t, pre_items=pre_t,
+        **common, split_tokens=split or 0, one_per_sm=one_per_sm, batch_invariant=batch_invariant, meta=meta,
+        tok_seq=tok_seq, dec_items=dec_t, pre_items=pre_t,
         dec_max_qlen=max((batch.query_lens[i] for i, *_ in dec), default=0),
         pre_max_qlen=max((batch.query_lens[i] for i, *_ in pre), default=0),
         dec_max_span=max((hi - lo for _, lo, hi, _ in dec), default=0),
@@ -305,7 +299,7 @@ def _schedule_within(batch: AttentionBatch, plan: MLAPlan, device: torch.device)
     if not plan.split_tokens:
         return None, _schedule(batch, None, 0)
     lens = [s for q, s in zip(batch.query_lens, batch.seq_lens) if q <= SPLIT_MAX_QLEN]
-    split = max(64, _split_for(lens, batch, plan.spec, device))
+    split = max(64, choose_split_tokens(lens, device, _item_rows(batch, plan.spec), plan.one_per_sm))
     while True:
         schedule = _schedule(batch, split, 0)
         dec, _, _, slots = schedule

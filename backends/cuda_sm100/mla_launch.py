@@ -207,6 +207,14 @@ def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool
     return rows <= 16 and wanted and gluon_gate.runs_on(device, "mla_gluon_kt_kernels")
 
 
+def one_program_an_sm(spec: KVCacheSpec, rows: int, device: torch.device) -> bool:
+    """Whether decode items of `rows` (1-32) query rows run one program an SM, as run_attention takes them for the
+    model's bf16 queries: on the keys-as-M kernels (at most 16 rows), whose shared memory fits one; the Triton
+    tiles fit two. The split rule sizes items by it (attention.choose_split_tokens)."""
+    return (0 < rows <= 16 and gluon_tile_usable(spec, torch.bfloat16, device)
+            and keys_as_m_usable(spec, rows, device))
+
+
 def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:
     """Whether an FP8 cache's keys-as-M tiles run on mla_gluon_kt_ws_kernels (TMA loads, widening in a producer
     warpgroup) rather than the one-warpgroup kernel. DEEPINFER_MLA_KT_WS: "0" never, "1" always (tests, A/B

@@ -166,16 +166,43 @@ def test_one_program_an_sm_takes_one_wave(monkeypatch, seq_lens):
 
     spec = KVCacheSpec(1, 64, 512, 64, "bf16", 16)
     batch = AttentionBatch((1,) * len(seq_lens), seq_lens, tuple((0,) for _ in seq_lens))
+    L = A.L
+
+    def split_for(b, sp):  # what plan_mla does: the rows, then whether they take one program an SM
+        rows = A._item_rows(b, sp)
+        return A.choose_split_tokens(list(seq_lens), cuda, rows, L.one_program_an_sm(sp, rows, cuda))
+
     asked = []
-    monkeypatch.setattr(A.L, "gluon_tile_usable", lambda spec_, q_dtype, device: True)
-    monkeypatch.setattr(A.L, "keys_as_m_usable", lambda spec_, rows, device: asked.append(rows) or rows <= 16)
-    assert A._split_for(list(seq_lens), batch, spec, cuda) == one and asked == [16]
+    monkeypatch.setattr(L, "gluon_tile_usable", lambda spec_, q_dtype, device: True)
+    monkeypatch.setattr(L, "keys_as_m_usable", lambda spec_, rows, device: asked.append(rows) or rows <= 16)
+    assert split_for(batch, spec) == one and asked == [16]
     verify = AttentionBatch((2,) * len(seq_lens), seq_lens, batch.block_tables)  # 32 rows: the 64-row kernels
-    assert A._split_for(list(seq_lens), verify, spec, cuda) == two
-    monkeypatch.setattr(A.L, "gluon_tile_usable", lambda spec_, q_dtype, device: False)
-    assert A._split_for(list(seq_lens), batch, spec, cuda) == two
+    assert split_for(verify, spec) == two
+    monkeypatch.setattr(L, "gluon_tile_usable", lambda spec_, q_dtype, device: False)
+    assert split_for(batch, spec) == two
     unknown = KVCacheSpec(1, 64, 512, 64, "bf16")  # no head count: the rule cannot tell
-    assert A._split_for(list(seq_lens), batch, unknown, cuda) == A.choose_split_tokens(list(seq_lens), cuda, 0)
+    assert split_for(batch, unknown) == A.choose_split_tokens(list(seq_lens), cuda, 0)
+
+
+def test_plan_sizes_splits_by_what_takes_its_items_and_keeps_it_for_graph_steps(monkeypatch):
+    """plan_mla asks mla_launch once whether its decode items run one program an SM, sizes its splits by the
+    answer, records it, and a graph step's replan (into=) sizes its own splits by the recorded answer."""
+    from deepinfer.backends.cuda_sm100 import attention as A
+
+    monkeypatch.delenv("DEEPINFER_MLA_SPLIT_TOKENS", raising=False)
+    asked = []
+    monkeypatch.setattr(A.L, "one_program_an_sm", lambda spec, rows, device: asked.append(rows) or True)
+    spec = KVCacheSpec(64, 64, 512, 64, "bf16", 4)
+    cpu = torch.device("cpu")
+    tables = tuple(tuple(range(i * 8, i * 8 + 8)) for i in range(8))
+    plan = A.plan_mla(AttentionBatch((1,) * 8, (500,) * 8, tables), spec, cpu, max_seq_len=512)
+    assert plan.one_per_sm and asked == [4]
+    assert plan.split_tokens == A.choose_split_tokens([500] * 8, cpu, 4, True)
+    assert plan.split_tokens != A.choose_split_tokens([500] * 8, cpu, 4)  # the answer mattered
+    again = A.plan_mla(AttentionBatch((1,) * 8, (200,) * 8, tables), spec, cpu, into=plan)
+    assert again.one_per_sm and asked == [4]  # not asked again
+    assert again.split_tokens == A.choose_split_tokens([200] * 8, cpu, 4, True)
+    assert again.split_tokens != A.choose_split_tokens([200] * 8, cpu, 4)
 
 
 def test_query_heads_must_not_be_negative():
