@@ -117,11 +117,11 @@ def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int =
 
     `rows` is an item's query rows (heads x queries; 0 = unknown). Items of at most 32 rows are one
     one-warpgroup program: about two items per SM. one_per_sm: such items run one program an SM (the keys-as-M
-    kernels' shared memory), where two items an SM would be two waves: about one item per SM, in splits of up to
-    16384 keys. Larger items launch cdiv(rows, 64) programs of 64 rows, one per SM (8 warps, ~225 KiB of shared
-    memory): about one program per SM. H200, 128 heads, bf16 and FP8 caches (mla_decode.py --sweep, 2026-11-30):
-    64 items (128 programs) were fastest at 64x4096, 16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096
-    0.2005 ms vs 0.2460 at two items per SM.
+    kernels' shared memory, or the 64-row Gluon tile's for 17-32 rows), where two items an SM would be two
+    waves: about one item per SM, in splits of up to 16384 keys. Larger items launch cdiv(rows, 64) programs of
+    64 rows, one per SM (8 warps, ~225 KiB of shared memory): about one program per SM. H200, 128 heads, bf16
+    and FP8 caches (mla_decode.py --sweep, 2026-11-30): 64 items (128 programs) were fastest at 64x4096,
+    16x32768, 1x65536, 4x4096 and 32x1024 keys; e.g. 64x4096 0.2005 ms vs 0.2460 at two items per SM.
 
     On GPUs at least 512 (a split's partial costs H x rank x 8 bytes of traffic; smaller splits spend more
     on partials than they gain in parallelism), or 128 for steps with few keys in all, where a handful of
@@ -148,7 +148,9 @@ def choose_split_tokens(split_lens: list[int], device: torch.device, rows: int =
     # split / the one-wave split, ms (RESULTS.md, issue 8, fortieth session): bf16 128 x 4096 keys 0.2293 / 0.2213,
     # 64 x 4096 0.1292 / 0.1237, 32 x 4096 0.0775 / 0.0729, 32 x 1024 0.0352 / 0.0294; FP8 0.1522 / 0.1411,
     # 0.0920 / 0.0848, 0.0589 / 0.0527, 0.0307 / 0.0237. e2e V2-Lite batch 32 at 1k, tok/s: FP8 weights and cache
-    # 4126.9, 4124.3 / 4161.8, 4156.0; bf16 2637.8 / 2656.8.
+    # 4126.9, 4124.3 / 4161.8, 4156.0; bf16 2637.8 / 2656.8. 32 heads (the 64-row Gluon tile, forty-first session):
+    # bf16 64 x 4096 0.1363 / 0.1265, 128 x 1024 0.0884 / 0.0716, 32 x 4096 0.0856 / 0.0749; FP8 0.1569 / 0.1288,
+    # 0.1015 / 0.0780, 0.1002 / 0.0818.
     return fit(sms, 16384) if one_per_sm else fit(2 * sms)
 
 

@@ -209,10 +209,11 @@ def keys_as_m_usable(spec: KVCacheSpec, rows: int, device: torch.device) -> bool
 
 def one_program_an_sm(spec: KVCacheSpec, rows: int, device: torch.device) -> bool:
     """Whether decode items of `rows` (1-32) query rows run one program an SM, as run_attention takes them for the
-    model's bf16 queries: on the keys-as-M kernels (at most 16 rows), whose shared memory fits one; the Triton
-    tiles fit two. The split rule sizes items by it (attention.choose_split_tokens)."""
-    return (0 < rows <= 16 and gluon_tile_usable(spec, torch.bfloat16, device)
-            and keys_as_m_usable(spec, rows, device))
+    model's bf16 queries: on the keys-as-M kernels (at most 16 rows) or a 64-row Gluon tile (17-32 rows), whose
+    shared memory fits one; the Triton tiles fit two. The split rule sizes items by it
+    (attention.choose_split_tokens)."""
+    return (0 < rows <= 32 and gluon_tile_usable(spec, torch.bfloat16, device)
+            and (rows > 16 or keys_as_m_usable(spec, rows, device)))
 
 
 def keys_as_m_ws_usable(spec: KVCacheSpec, device: torch.device) -> bool:

@@ -176,8 +176,8 @@ def test_one_program_an_sm_takes_one_wave(monkeypatch, seq_lens):
     monkeypatch.setattr(L, "gluon_tile_usable", lambda spec_, q_dtype, device: True)
     monkeypatch.setattr(L, "keys_as_m_usable", lambda spec_, rows, device: asked.append(rows) or rows <= 16)
     assert split_for(batch, spec) == one and asked == [16]
-    verify = AttentionBatch((2,) * len(seq_lens), seq_lens, batch.block_tables)  # 32 rows: the 64-row kernels
-    assert split_for(verify, spec) == two
+    verify = AttentionBatch((2,) * len(seq_lens), seq_lens, batch.block_tables)  # 32 rows: the 64-row Gluon tile
+    assert split_for(verify, spec) == A.choose_split_tokens(list(seq_lens), cuda, 32, True) and asked == [16]
     monkeypatch.setattr(L, "gluon_tile_usable", lambda spec_, q_dtype, device: False)
     assert split_for(batch, spec) == two
     unknown = KVCacheSpec(1, 64, 512, 64, "bf16")  # no head count: the rule cannot tell
