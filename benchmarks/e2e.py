@@ -298,20 +298,28 @@ def _gpu_activities(fn, engine, categories: tuple[str, ...]) -> list[tuple[float
 def _print_timeline(acts: list[tuple[float, float, str]], per: int, title: str, top: int,
                     max_gap: float = float("inf")) -> None:
     """Busy time against the idle gaps between activities (gaps of max_gap us or more left out), per `per`
-    (steps or replays), and per name its count, mean duration and the idle time before it."""
+    (steps or replays), and per name its count, mean duration, the idle time before it, and its time on the
+    path: how much later it ends than the activity before it. Under PDL a kernel starts early and waits, so its
+    duration overlaps its predecessor's; the ends still come in stream order, and the path column adds up to
+    the step."""
     stats: dict[str, list[float]] = {}
     busy = gaps = 0.0
+    last_end = None
     for i, (ts, dur, name) in enumerate(acts):
         gap = 0.0 if i == 0 else max(0.0, ts - (acts[i - 1][0] + acts[i - 1][1]))
         gap = gap if gap < max_gap else 0.0
+        path = dur if last_end is None else max(0.0, ts + dur - last_end)
+        path = path if path < max_gap + dur else dur  # after a pause between steps: its own duration
+        last_end = ts + dur if last_end is None else max(last_end, ts + dur)
         busy, gaps = busy + dur, gaps + gap
-        row = stats.setdefault(name[:70], [0, 0.0, 0.0])
-        row[0], row[1], row[2] = row[0] + 1, row[1] + dur, row[2] + gap
+        row = stats.setdefault(name[:70], [0, 0.0, 0.0, 0.0])
+        row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + dur, row[2] + gap, row[3] + path
     print(f"  {title}: {len(acts) / per:.0f} activities per step, "
           f"{busy / per:.0f} us of them + {gaps / per:.0f} us of gaps between them per step")
-    print(f"  {'kernel / copy':<70} {'per step':>8} {'us each':>8} {'us/step':>8} {'gap us/step':>11}")
-    for name, (n, dur, gap) in sorted(stats.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
-        print(f"  {name:<70} {n / per:>8.0f} {dur / n:>8.2f} {dur / per:>8.1f} {gap / per:>11.1f}")
+    print(f"  {'kernel / copy':<70} {'per step':>8} {'us each':>8} {'us/step':>8} {'gap us/step':>11} "
+          f"{'path us/step':>12}")
+    for name, (n, dur, gap, path) in sorted(stats.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:top]:
+        print(f"  {name:<70} {n / per:>8.0f} {dur / n:>8.2f} {dur / per:>8.1f} {gap / per:>11.1f} {path / per:>12.1f}")
 
 
 def profile_prefill(engine, prompt_len: int, gen: torch.Generator, top: int = 25) -> None:
