@@ -249,6 +249,26 @@ def profile_graph_replay(engine, batch: int, replays: int = 5, top: int = 30) ->
         return
     # the pause between two replays is not the graph's: gaps of 50 us or more are left out
     _print_timeline(acts, replays, f"graph replay, batch {batch}", top, max_gap=50.0)
+    _print_layer_chain(acts[len(acts) // replays:2 * len(acts) // replays], engine.config.num_hidden_layers)
+
+
+def _print_layer_chain(acts: list[tuple[float, float, str]], layers: int) -> None:
+    """One replay's kernels for two layers from the middle of the model, in launch order: start, duration and end
+    (us from the first), and the time each adds to the path (as _print_timeline's column). A layer starts at the
+    first kernel launched once a layer."""
+    counts: dict[str, int] = {}
+    for _, _, name in acts:
+        counts[name] = counts.get(name, 0) + 1
+    mark = next((name for _, _, name in acts if counts[name] == layers), None)
+    if mark is None or layers < 4:
+        return
+    starts = [i for i, a in enumerate(acts) if a[2] == mark]
+    lo, hi = starts[layers // 2], starts[layers // 2 + 2]
+    t0, last = acts[lo][0], acts[lo - 1][0] + acts[lo - 1][1]
+    print(f"  two layers' kernels (layers {layers // 2} and {layers // 2 + 1}): start, duration, end (us), path us")
+    for ts, dur, name in acts[lo:hi]:
+        print(f"    {ts - t0:8.2f} {dur:7.2f} {ts + dur - t0:8.2f} {max(0.0, ts + dur - last):6.2f}  {name[:80]}")
+        last = max(last, ts + dur)
 
 
 def profile_decode_steps(engine, batch: int, context: int, gen: torch.Generator, steps: int = 8, top: int = 30) -> None:
