@@ -260,12 +260,12 @@ def _print_layer_chain(acts: list[tuple[float, float, str]], layers: int) -> Non
     for _, _, name in acts:
         counts[name] = counts.get(name, 0) + 1
     mark = next((name for _, _, name in acts if counts[name] == layers), None)
-    if mark is None or layers < 4:
+    if mark is None or layers < 2:
         return
-    starts = [i for i, a in enumerate(acts) if a[2] == mark]
-    lo, hi = starts[layers // 2], starts[layers // 2 + 2]
+    starts = [i for i, a in enumerate(acts) if a[2] == mark] + [len(acts)]
+    lo, hi = starts[layers // 2], starts[min(layers // 2 + 2, layers)]
     t0, last = acts[lo][0], acts[lo - 1][0] + acts[lo - 1][1]
-    print(f"  two layers' kernels (layers {layers // 2} and {layers // 2 + 1}): start, duration, end (us), path us")
+    print(f"  kernels of two layers from layer {layers // 2} (of {layers}): start, duration, end (us), path us")
     for ts, dur, name in acts[lo:hi]:
         print(f"    {ts - t0:8.2f} {dur:7.2f} {ts + dur - t0:8.2f} {max(0.0, ts + dur - last):6.2f}  {name[:80]}")
         last = max(last, ts + dur)

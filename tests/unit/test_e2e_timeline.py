@@ -59,7 +59,10 @@ def test_the_layer_chain_starts_at_the_kernel_launched_once_a_layer(e2e, capsys)
     acts = replays(6, 1, random.Random(7))
     e2e._print_layer_chain(acts, 6)
     lines = capsys.readouterr().out.splitlines()
-    assert "layers 3 and 4" in lines[0]
+    assert "from layer 3 (of 6)" in lines[0]
     assert [line.split()[-1] for line in lines[1:]] == ["norm", "rope", "attn", "gemv", "gemv"] * 2
     e2e._print_layer_chain(acts, 5)  # no kernel launched exactly five times: nothing printed
     assert capsys.readouterr().out == ""
+    e2e._print_layer_chain(replays(2, 1, random.Random(8)), 2)  # two layers: the second one, to the end
+    assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]] == ["norm", "rope", "attn",
+                                                                                        "gemv", "gemv"]
