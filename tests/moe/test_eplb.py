@@ -3,9 +3,7 @@ and what it adds (replicas spread over GPUs, packing at least as balanced as the
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +14,12 @@ from deepinfer.errors import InvalidInputError
 from deepinfer.moe.eplb import balanced_packing, rebalance_experts, replicate_experts
 from deepinfer.moe.placement import gpu_loads
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def published():
-    spec = importlib.util.spec_from_file_location("eplb_published", BENCHMARKS / "eplb_published.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.published_rebalance
+    return load_benchmark("eplb_published").published_rebalance
 
 
 @st.composite

@@ -5,27 +5,16 @@ published algorithm's under the same trigger on the same traces (without them th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from deepinfer.moe.policy import EPLBConfig
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "eplb.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("eplb_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["eplb_benchmark"] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop("eplb_benchmark", None)
-    return module
+    return load_benchmark("eplb")
 
 
 @pytest.mark.parametrize("trace", ["bursty", "zipf"])

@@ -4,26 +4,16 @@ layer chain starts at the kernel launched once a layer."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e.py"
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("e2e_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["e2e_benchmark"] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop("e2e_benchmark", None)
-    return module
+    return load_benchmark("e2e")
 
 
 def replays(layers: int, count: int, rng: random.Random) -> list[tuple[float, float, str]]:
