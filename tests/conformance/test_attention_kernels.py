@@ -144,9 +144,10 @@ def test_split_rule_picks_the_splits_the_h200_sweep_found_best(monkeypatch):
 @pytest.mark.parametrize("seq_lens", [(4096,) * 128, (4096,) * 64, (65536,) * 32, (1024,) * 32, (4096,) * 32,
                                       (1024,) * 300, (100, 70000, 300), (700,)])
 def test_one_program_an_sm_takes_one_wave(monkeypatch, seq_lens):
-    """Plain Python: items of at most 16 rows that run one program an SM (the keys-as-M kernels) take the smallest
-    split (from the same floor) giving one wave of programs, up to 16384 keys, where others get two a SM.
-    _split_for asks for it only where run_attention would take that kernel."""
+    """Plain Python: items of at most 32 rows that run one program an SM (the keys-as-M kernels up to 16 rows, the
+    64-row Gluon tile for 17-32) take the smallest split (from the same floor) giving one wave of programs, up to
+    16384 keys, where others get two a SM. mla_launch.one_program_an_sm says yes only where run_attention would
+    take those kernels."""
     from deepinfer.backends.cuda_sm100 import attention as A
 
     monkeypatch.setattr(A, "_num_sms", lambda device: 132)
