@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from deepinfer.backends.cuda_sm100.mla_gluon_kernels import e4m3_scaled, e4m3_scaled_kept
+from deepinfer.backends.cuda_sm100.mla_gluon_kernels import _block_of, e4m3_scaled, e4m3_scaled_kept
 
 R = gl.constexpr(512)  # latent width (DeepSeek's kv_lora_rank); each warpgroup owns half of it
 P = gl.constexpr(64)  # rope width
@@ -65,8 +65,8 @@ def _staging(dst, c: gl.constexpr):
 
 @gluon.jit
 def _cache_block(bt_row, start, kv_end, BS):
-    """The cache block holding key `start` (0 past the item's end)."""
-    return gl.load(bt_row + start // BS, mask=start < kv_end, other=0)
+    """_block_of as int32: TMA's coordinates, and what the pair loop carries (in half the registers)."""
+    return _block_of(bt_row, start, kv_end, BS).to(gl.int32)
 
 
 @gluon.jit
@@ -114,7 +114,7 @@ def _prefetch_block(cache, bt_row, start, kv_end, FP8: gl.constexpr):
     thread), a pair ahead of their reload, so that reload waits on L2 instead of HBM."""
     lat_ptr, rope_ptr, BS, lat_sb, lat_st = cache[:5]
     if start < kv_end:
-        blk = gl.load(bt_row + start // BS).to(gl.int64)
+        blk = _block_of(bt_row, start, kv_end, BS)
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one element a thread of the warpgroup
         lane = gl.arange(0, 128, layout=ONE)
         ptr = lat_ptr + blk * lat_sb + (start % BS) * lat_st + lane * 0
