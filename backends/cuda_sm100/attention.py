@@ -429,13 +429,14 @@ def rope_norm_and_write(plan: AttentionPlan, cache: torch.Tensor, q_pe: torch.Te
     ref._check_tokens("q_pe", q_pe, 3, plan, cache)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
     from deepinfer.backends.cuda_sm100 import norm_rope_kernels as NR
+    from deepinfer.backends.cuda_sm100.pdl import early_trigger
 
     q_out, _, _, launch = NR.mla_rope_norm_launch(q_pe, kv, weight, eps, plan.positions, cos_sin_cache, interleaved)
     if launch is not None:
         grid, kwargs = launch
         views = dict(zip(_VIEW_ARGS, _cache_views(spec, cache)))
         K.mla_rope_norm_write_kernel[grid](**kwargs, slot_ptr=plan.slot_mapping, **views, CH=_dims(spec)["CH"],
-                                           FP8=spec.is_fp8)
+                                           FP8=spec.is_fp8, EARLY=early_trigger())  # W_UK's GEMV follows
     return q_out
 
 
@@ -461,7 +462,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
     if not _usable(plan, cache):
         return ref.run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse, batch_invariant)
     from deepinfer.backends.cuda_sm100 import mla_kernels as K
-    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+    from deepinfer.backends.cuda_sm100.pdl import early_trigger, launch_kwargs
 
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
@@ -516,7 +517,7 @@ def run_attention(plan, cache, q_nope, q_pe, softmax_scale, return_lse=False, ba
         K.mla_combine_kernel[(num_tokens, cdiv(heads, hb), cdiv(spec.kv_lora_rank, dc))](
             plan.tok_seq, plan.meta, plan.meta.stride(0), po, plse, out, lse, out.stride(0), out.stride(1), heads,
             R=spec.kv_lora_rank, HB=hb, DC=dc, ST=st, INTERP=interp, MAX_SPLITS=plan.max_splits if interp else 0,
-            num_warps=4, **launch_kwargs(),
+            EARLY=early_trigger(), num_warps=4, **launch_kwargs(),
         )
     return (out, lse) if return_lse else out
 

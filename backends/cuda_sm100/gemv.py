@@ -13,7 +13,7 @@ import torch
 
 from deepinfer import quant
 from deepinfer.backends.cuda_sm100 import triton_interpreter_requested
-from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+from deepinfer.backends.cuda_sm100.pdl import early_trigger, launch_kwargs
 from deepinfer.quant import cdiv, next_pow2
 from deepinfer.weights import LinearWeight, WeightFormat
 
@@ -92,7 +92,7 @@ def default_tiles(weight: LinearWeight, k: int, bn: int | None, bk: int | None, 
 
 
 def _launch(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, x_fp8: bool, gated: bool,
-            tiles: tuple[int, int, int], sizes_early: bool = False, tail: int = 0) -> None:
+            tiles: tuple[int, int, int], sizes_early: bool = False, tail: int = 0, early: bool = False) -> None:
     from deepinfer.backends.cuda_sm100 import gemv_kernels as V
 
     bn, bk, warps = tiles
@@ -110,7 +110,7 @@ def _launch(data, xs, weight: LinearWeight, out, n: int, rows: int, sizes, x_fp8
         w.stride(0) if stacked else 0, w.stride(-2), ws.stride(0) if stacked else 0, ws.stride(-2), out.stride(0),
         K=weight.in_features, BN=bn, BK=bk, W_FP8=w_fp8, X_FP8=x_fp8, GROUPED=grouped, G_P=next_pow2(groups),
         GATED=gated, EXACT=triton_interpreter_requested(), SIZES_EARLY=grouped and sizes_early and pdl, TAIL=tail,
-        num_warps=warps, **launch_kwargs())
+        EARLY=early and pdl, num_warps=warps, **launch_kwargs())
 
 
 def gemv(x, weight: LinearWeight, gated: bool = False, bn: int | None = None, bk: int | None = None,
@@ -165,5 +165,7 @@ def gemv_per_head(x: torch.Tensor, weight: LinearWeight, bn: int | None = None, 
     _, h, k = x.shape
     n = weight.out_features
     out = torch.empty(1, h, n, dtype=x.dtype, device=x.device)
-    _launch(x[0], x[0], weight, out[0], n, h, None, False, False, default_tiles(weight, k, bn, bk, warps))
+    # its successors (attention, o_proj) read only weights and the plan before their wait: pdl.py's EARLY
+    _launch(x[0], x[0], weight, out[0], n, h, None, False, False, default_tiles(weight, k, bn, bk, warps),
+            early=early_trigger())
     return out

@@ -73,14 +73,15 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
                 stride_wg, stride_wn, stride_wsg, stride_wsn, stride_om, K: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, W_FP8: tl.constexpr, X_FP8: tl.constexpr, GROUPED: tl.constexpr, G_P: tl.constexpr,
                 GATED: tl.constexpr, EXACT: tl.constexpr, SIZES_EARLY: tl.constexpr = False, TAIL: tl.constexpr = 0,
-                PDL: tl.constexpr = False):
+                PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     """Program (r, j): BN outputs of row r (GROUPED: of the r-th row of the rows sorted by group, its group's
     weight; grid rows past M do nothing). K (a weight's width: a few values a model) is constant, so the K loop
     is bound on the host, which the interpreter needs. BK: a multiple of 128.
     TAIL > 0 (GROUPED, the grid's M rows exactly): the last TAIL rows are one row each of the last TAIL groups,
     and x was written at least two launches back (Backend.gated_linear's settled_tail). Their programs need no
     sizes and compute their outputs before the PDL wait, storing after it; the grid is then (N tiles, rows),
-    rows taken last first, so that those programs are the first to be scheduled."""
+    rows taken last first, so that those programs are the first to be scheduled. EARLY: pdl.enter's (per-head
+    matrices)."""
     GK: tl.constexpr = BK // 128
     if TAIL > 0:
         pid_r = M - 1 - tl.program_id(1)
@@ -99,11 +100,11 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
             row = pid_r
         else:
             if not SIZES_EARLY:
-                enter(PDL)
+                enter(PDL, EARLY)
             g, row, end = _tile_rows(pid_r, sizes_ptr, M, G, 0, 1, 1, G_P, SIZES_EARLY)
             if row >= end:
                 if SIZES_EARLY:
-                    enter(PDL)
+                    enter(PDL, EARLY)
                 return
     else:
         row = pid_r
@@ -118,7 +119,7 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
         u, us = _load_slab(u_rows, us_rows, 0, K, rmask, GK, W_FP8)
     if not GROUPED or SIZES_EARLY:
         if not early:
-            enter(PDL)
+            enter(PDL, EARLY)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     xs_row = xs_ptr + row.to(tl.int64) * stride_xsm
     x, xs = _load_row(x_row, xs_row, stride_xsk, 0, K, GK, W_FP8, X_FP8)
@@ -134,7 +135,7 @@ def gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, o_ptr, sizes_ptr, M, N, G, stride_
         if GATED:
             acc_up += _slab_dot(x, xs, u, us, W_FP8, X_FP8)
     if early:
-        enter(PDL)
+        enter(PDL, EARLY)
     out_ty: tl.constexpr = o_ptr.dtype.element_ty
     if GATED:  # as gemm_kernel's FUSE_SILU: gate and up rounded to the output dtype, silu * up in float32
         gate = _cast(acc, out_ty, EXACT).to(tl.float32)

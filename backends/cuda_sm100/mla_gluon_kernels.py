@@ -55,12 +55,20 @@ def copy_layout(kind, warps, fp8=False):
 
 
 @gluon.jit
-def _gdc_enter(PDL: gl.constexpr):
-    """As pdl.enter: wait for the previous grid, then let the next one launch."""
+def _gdc_enter(PDL: gl.constexpr, EARLY: gl.constexpr = False):
+    """As pdl.enter: wait for the previous grid, then let the next one launch (EARLY: the other way round)."""
     if PDL:
+        if EARLY:
+            _gdc_launch_dependents()
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        if not EARLY:
+            _gdc_launch_dependents()
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit

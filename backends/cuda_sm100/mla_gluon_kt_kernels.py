@@ -51,7 +51,7 @@ SMEM_BYTES = 174336
 
 @gluon.jit
 def _plan_reads(items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM: gl.constexpr,
-                BN: gl.constexpr, PDL: gl.constexpr):
+                BN: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr):
     """The program's work item (_work_item's, less the sequence), its tile count, block-table row and first two
     tiles' cache blocks, then the PDL wait. They come from the step's plan, which the host wrote before the step's
     first kernel: read before the wait, their chain of dependent loads overlaps the previous kernel. The queries
@@ -61,7 +61,7 @@ def _plan_reads(items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tile
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
     blk0 = _block_of(bt_row, kv_lo, kv_end, BS)
     blk1 = _block_of(bt_row, kv_lo + BN, kv_end, BS)
-    _gdc_enter(PDL)
+    _gdc_enter(PDL, EARLY)
     return row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1
 
 
@@ -129,7 +129,7 @@ def mla_attn_gluon_kt_kernel(
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
     R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, EARLY: gl.constexpr = False,
 ):
     """One program = one work item x one tile of BM (<= 16) query rows of a bf16 cache, as mla_attn_kernel (see
     its docstring; the cache views and strides are the same), one warpgroup."""
@@ -141,7 +141,7 @@ def mla_attn_gluon_kt_kernel(
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
 
     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
-        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
+        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL, EARLY)
 
     q_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.bfloat16, gl.bfloat16, BM, BN, R, P, STAGES)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BM],
@@ -294,7 +294,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
     R: gl.constexpr, P: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, EARLY: gl.constexpr = False,
 ):
     """mla_attn_gluon_kt_kernel for DeepSeek's FP8 cache: the E4M3 tile is widened to float16 once and its scales
     are applied to scores and probabilities per 128-value group (see above)."""
@@ -305,7 +305,7 @@ def mla_attn_gluon_kt_e4m3_kernel(
     KEYS_L: gl.constexpr = gl.SliceLayout(1, S_L)
 
     row0, kv_lo, kv_end, slot, tok0, qlen, slen, n_tiles, bt_row, blk0, blk1 = _plan_reads(
-        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL)
+        items_ptr, meta_ptr, meta_stride, bt_ptr, bt_stride, H, row_tiles, BS, BM, BN, PDL, EARLY)
 
     q16_smem, qpe_smem, kpe_bufs, k_bufs = _kt_buffers(gl.float16, gl.float8e4nv, BM, BN, R, P, STAGES)
     kh_smem = gl.allocate_shared_memory(gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))

@@ -229,7 +229,7 @@ def mla_attn_gluon_kt_e4m3_ws_kernel(
     bt_ptr, bt_stride, meta_ptr, meta_stride, items_ptr,
     out_ptr, lse_ptr, o_st, o_sh, po_ptr, plse_ptr,
     H, qk_scale, row_tiles,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, EARLY: gl.constexpr = False,
 ):
     """mla_attn_gluon_kt_e4m3_kernel (one work item x at most 16 query rows of an FP8 cache) with the loads and
     widening in a producer warpgroup (see the module docstring). The cache comes as three TMA descriptors over
@@ -238,7 +238,7 @@ def mla_attn_gluon_kt_e4m3_ws_kernel(
     row0, seq, kv_lo, kv_end, slot, tok0, qlen, slen = _work_item(items_ptr, meta_ptr, meta_stride, H, row_tiles, BM)
     n_tiles = gl.cdiv(gl.maximum(kv_end - kv_lo, 0), BN)
     bt_row = bt_ptr + seq.to(gl.int64) * bt_stride
-    _gdc_enter(PDL)  # the plan is settled before the step; queries and cache are read after the wait
+    _gdc_enter(PDL, EARLY)  # the plan is settled before the step; queries and cache are read after the wait
 
     q16_smem = gl.allocate_shared_memory(gl.float16, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], gl.float16))
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, P],

@@ -121,6 +121,7 @@ def mla_rope_norm_write_kernel(
     H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, INTERLEAVED: tl.constexpr,
     R: tl.constexpr, CH: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """mla_rope_norm_kernel's work for a block of tokens (cache_ptr / P: the cos-sin cache and its length), the
     c_kv and k_pe rows going straight from registers into the cache as mla_write_kernel writes them: the fused
@@ -134,7 +135,7 @@ def mla_rope_norm_write_kernel(
     w = tl.load(w_ptr + cols, mask=cols < R, other=0.0).to(tl.float32)
     cos, sin = NRK._rope_angles(pos_ptr, cache_ptr, toks, tmask, P, stride_p, stride_c, HALF, HALF_P)
     blk, off = _slots(slot_ptr, toks, tmask, BS)
-    enter(PDL)
+    enter(PDL, EARLY)
     mask = tmask[:, None] & (cols < R)[None, :]
     x = tl.load(kv_ptr + toks.to(tl.int64)[:, None] * stride_kv + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     ia, ib, pmask, k_a, k_b = NRK._rope_apply(kpe_ptr, toks.to(tl.int64), 0, tmask, cos, sin, stride_kv, 0, HALF,
@@ -463,7 +464,7 @@ def mla_attn_kernel(
 def mla_combine_kernel(
     tok_seq_ptr, meta_ptr, meta_stride, po_ptr, plse_ptr, out_ptr, lse_ptr, o_st, o_sh, H,
     R: tl.constexpr, HB: tl.constexpr, DC: tl.constexpr, ST: tl.constexpr, INTERP: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     """Merge the split partials of token t, heads [h0, h0 + HB), columns [d0, d0 + DC): softmax-weighted by
     each split's lse, in split order (the result does not depend on the rest of the batch). Tokens of
@@ -480,7 +481,7 @@ def mla_combine_kernel(
     qlen = tl.load(meta_ptr + meta_stride + seq)
     nsplit = tl.load(meta_ptr + 3 * meta_stride + seq)
     first_slot = tl.load(meta_ptr + 4 * meta_stride + seq)
-    enter(PDL)
+    enter(PDL, EARLY)
     base = tl.where(first_slot >= 0, first_slot + (t - tok0), -1)
     n_loop = tl.where(base >= 0, nsplit, 0)
     m = tl.full([HB], float("-inf"), tl.float32)

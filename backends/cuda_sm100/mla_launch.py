@@ -241,20 +241,21 @@ def _blocks_back_to_back(views) -> bool:
 
 
 def launch_gluon_kt(spec, q_nope, q_pe, views, plan, items, tail) -> None:
-    """Run tiles of at most 16 rows on the keys-as-M Gluon kernel (the caller checked keys_as_m_usable)."""
-    from deepinfer.backends.cuda_sm100.pdl import launch_kwargs
+    """Run tiles of at most 16 rows on the keys-as-M Gluon kernel (the caller checked keys_as_m_usable). Its
+    successors (the combine, W_UV's GEMV) read only the plan and weights before their wait: pdl.py's EARLY."""
+    from deepinfer.backends.cuda_sm100.pdl import early_trigger, launch_kwargs
 
     descs = e4m3_descriptors(views) if keys_as_m_ws_usable(spec, q_nope.device) else None
     if descs is not None:
         W = gluon_gate.kernels("mla_gluon_kt_ws_kernels")
         W.mla_attn_gluon_kt_e4m3_ws_kernel[(items.shape[0],)](  # the cache as descriptors and its block size
             *_gluon_args(q_nope, q_pe, (*descs, views[-1]), plan, items, tail, 1), num_warps=W.NUM_WARPS,
-            maxnreg=W.MAXNREG, **launch_kwargs())
+            maxnreg=W.MAXNREG, EARLY=early_trigger(), **launch_kwargs())
         return
     G = gluon_gate.kernels("mla_gluon_kt_kernels")
     kernel = G.mla_attn_gluon_kt_e4m3_kernel if spec.is_fp8 else G.mla_attn_gluon_kt_kernel
     kernel[(items.shape[0],)](*_gluon_args(q_nope, q_pe, views, plan, items, tail, 1), R=G.R, P=G.P, BM=G.BM,
-                              BN=G.BN, num_warps=G.NUM_WARPS, **launch_kwargs())
+                              BN=G.BN, num_warps=G.NUM_WARPS, EARLY=early_trigger(), **launch_kwargs())
 
 
 def e4m3_descriptors(views) -> tuple | None:

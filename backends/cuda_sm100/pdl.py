@@ -15,6 +15,14 @@ before its wait (gemm_kernel's PREFETCH), so their streaming starts during the p
 batch 1 (benchmarks/RESULTS.md, eighth session): FP8 437.0 vs 387.6 tok/s, bf16 388.1 vs 374.7; the engine's
 graph and greedy-equality tests pass under it (gpu_suite.sh pdl).
 Never under the Triton interpreter, which has no griddepcontrol.
+
+EARLY (early_trigger(), on unless DEEPINFER_PDL_EARLY=0): the kernel lets its successor launch before its own wait,
+so that successor's reads before its wait overlap more than one kernel (a chain of them can be launched at once).
+Then what the successor reads before its wait must not come from any kernel still in that chain: only the kernels
+of the MLA block take it (the fused cache write, the per-head GEMVs, the keys-as-M attention and the combine),
+whose successors read nothing before their wait but weights and the step's plan. The two-launches-back rule
+holds again from the first kernel after them that enters without EARLY (o_proj's GEMV): its wait is for a kernel
+that waited in turn.
 """
 
 from __future__ import annotations
@@ -38,9 +46,20 @@ def launch_kwargs() -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
+@functools.cache
+def early_trigger() -> bool:
+    """Whether the kernels that may (see EARLY in the module docstring) let their successor launch before their own
+    wait; DEEPINFER_PDL_EARLY=0 keeps every kernel's trigger after its wait (A/B runs)."""
+    return bool(launch_kwargs()) and os.environ.get("DEEPINFER_PDL_EARLY", "1") != "0"
+
+
 @triton.jit
-def enter(PDL: tl.constexpr):
+def enter(PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """First statement of a PDL-capable kernel (see the module docstring)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

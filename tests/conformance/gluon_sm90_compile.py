@@ -42,7 +42,7 @@ def mla_keys_as_m(fp8: bool):
     from deepinfer.backends.cuda_sm100 import mla_gluon_kt_kernels as K
 
     args = {**mla_args(fp8), "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
-    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, PDL=True)
+    consts = dict(R=K.R, P=K.P, BM=K.BM, BN=K.BN, PDL=True, EARLY=True)
     kernel = K.mla_attn_gluon_kt_e4m3_kernel if fp8 else K.mla_attn_gluon_kt_kernel
     return compile_sm90(kernel, args, consts, K.NUM_WARPS)
 
@@ -56,7 +56,8 @@ def mla_keys_as_m_ws():
                  scl_desc=f"tensordesc<fp32[{half}, {g}],{W.SC_SMEM.value!r}>")
     args = {k: v for k, v in mla_args(True).items() if not k.startswith(("lat_", "scl_", "rope_", "scale_"))}
     args = {**args, **views, "H": 16, "q_st": 16 * 512, "qpe_st": 16 * 64, "o_st": 16 * 512, "row_tiles": 1}
-    return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True), W.NUM_WARPS, maxnreg=W.MAXNREG)
+    return compile_sm90(W.mla_attn_gluon_kt_e4m3_ws_kernel, args, dict(PDL=True, EARLY=True), W.NUM_WARPS,
+                        maxnreg=W.MAXNREG)
 
 
 def mla_seesaw(tma: bool, fp8: bool = False):

@@ -65,6 +65,12 @@ def test_keys_as_m_mla_kernel_compiles_for_sm90_without_spills(compiled, fp8):
         assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == mmas
     assert ptx.count("wgmma.mma_async") == ptx.count("m64n16k16")
     assert "cp.async.cg.shared.global" in ptx and "griddepcontrol.wait" in ptx
+    _triggers_before_its_wait(ptx)
+
+
+def _triggers_before_its_wait(ptx: str) -> None:
+    """pdl.py's EARLY (the keys-as-M kernels compiled with it): the successor may launch before this kernel waits."""
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 
 
 def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(compiled):
@@ -88,6 +94,7 @@ def test_warp_specialised_keys_as_m_kernel_compiles_for_sm90_without_spills(comp
     assert ptx.count("mbarrier.arrive.expect_tx") == 2 and ptx.count("mbarrier.arrive") == 2 + 1 + 3
     assert all(f"bar.sync \t{i}, 128" in ptx for i in (0, 2))  # the consumer's and the producer's own barrier
     assert "griddepcontrol.wait" in ptx
+    _triggers_before_its_wait(ptx)
 
 
 @pytest.mark.parametrize("variant", ["0", "1", "fp8"])

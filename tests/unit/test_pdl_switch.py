@@ -12,8 +12,10 @@ pdl = pytest.importorskip("deepinfer.backends.cuda_sm100.pdl")
 @pytest.fixture(autouse=True)
 def fresh_switch():
     pdl.launch_kwargs.cache_clear()
+    pdl.early_trigger.cache_clear()
     yield
     pdl.launch_kwargs.cache_clear()
+    pdl.early_trigger.cache_clear()
 
 
 def test_off_when_asked(monkeypatch):
@@ -35,3 +37,18 @@ def test_never_under_the_interpreter(monkeypatch):
     monkeypatch.delenv("DEEPINFER_PDL", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.launch_kwargs() == {}
+
+
+def test_early_triggers_only_with_pdl_and_unless_asked(monkeypatch):
+    """EARLY (the MLA block's kernels letting their successor launch before their wait) goes with PDL, and
+    DEEPINFER_PDL_EARLY=0 turns it off alone."""
+    monkeypatch.delenv("DEEPINFER_PDL_EARLY", raising=False)
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda: {"PDL": True, "launch_pdl": True})
+    assert pdl.early_trigger()
+    pdl.early_trigger.cache_clear()
+    monkeypatch.setenv("DEEPINFER_PDL_EARLY", "0")
+    assert not pdl.early_trigger()
+    pdl.early_trigger.cache_clear()
+    monkeypatch.delenv("DEEPINFER_PDL_EARLY")
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda: {})
+    assert not pdl.early_trigger()
