@@ -264,11 +264,21 @@ def _print_layer_chain(acts: list[tuple[float, float, str]], layers: int) -> Non
         return
     starts = [i for i, a in enumerate(acts) if a[2] == mark] + [len(acts)]
     lo, hi = starts[layers // 2], starts[min(layers // 2 + 2, layers)]
-    t0, last = acts[lo][0], acts[lo - 1][0] + acts[lo - 1][1]
+    t0, paths = acts[lo][0], _path_us(acts)
     print(f"  kernels of two layers from layer {layers // 2} (of {layers}): start, duration, end (us), path us")
-    for ts, dur, name in acts[lo:hi]:
-        print(f"    {ts - t0:8.2f} {dur:7.2f} {ts + dur - t0:8.2f} {max(0.0, ts + dur - last):6.2f}  {name[:80]}")
-        last = max(last, ts + dur)
+    for (ts, dur, name), path in zip(acts[lo:hi], paths[lo:hi]):
+        print(f"    {ts - t0:8.2f} {dur:7.2f} {ts + dur - t0:8.2f} {path:6.2f}  {name[:80]}")
+
+
+def _path_us(acts: list[tuple[float, float, str]], max_gap: float = float("inf")) -> list[float]:
+    """Each activity's time on the path: how much later it ends than every activity before it (0 when it ends
+    earlier); after a pause of max_gap us or more (between steps), its own duration."""
+    paths, last_end = [], None
+    for ts, dur, _ in acts:
+        path = dur if last_end is None else max(0.0, ts + dur - last_end)
+        paths.append(path if path < max_gap + dur else dur)
+        last_end = ts + dur if last_end is None else max(last_end, ts + dur)
+    return paths
 
 
 def profile_decode_steps(engine, batch: int, context: int, gen: torch.Generator, steps: int = 8, top: int = 30) -> None:
@@ -324,13 +334,9 @@ def _print_timeline(acts: list[tuple[float, float, str]], per: int, title: str, 
     the step."""
     stats: dict[str, list[float]] = {}
     busy = gaps = 0.0
-    last_end = None
-    for i, (ts, dur, name) in enumerate(acts):
+    for i, ((ts, dur, name), path) in enumerate(zip(acts, _path_us(acts, max_gap))):
         gap = 0.0 if i == 0 else max(0.0, ts - (acts[i - 1][0] + acts[i - 1][1]))
         gap = gap if gap < max_gap else 0.0
-        path = dur if last_end is None else max(0.0, ts + dur - last_end)
-        path = path if path < max_gap + dur else dur  # after a pause between steps: its own duration
-        last_end = ts + dur if last_end is None else max(last_end, ts + dur)
         busy, gaps = busy + dur, gaps + gap
         row = stats.setdefault(name[:70], [0, 0.0, 0.0, 0.0])
         row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + dur, row[2] + gap, row[3] + path
