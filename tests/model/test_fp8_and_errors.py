@@ -42,14 +42,16 @@ def test_fp8_checkpoint_stays_fp8_and_matches_dequantized(fp8_checkpoints, gen):
     assert _formats(llm8) == {WeightFormat.FP8_BLOCK}
     ref = LLM(str(deq), backend="reference", dtype=torch.float32)
     assert _formats(ref) == {WeightFormat.DENSE}
-    prompt = random_prompt(gen, 96, 24)
+    prompt = random_prompt(gen, 96, 32)
     a, b = full_logprobs(llm8, prompt), full_logprobs(ref, prompt)
     # Only the per-token FP8 activation quantisation differs: ~2.5% relative error per projection here,
-    # compounded over the layers and through the occasional flipped expert choice. A wrong or misplaced
-    # block scale is off by far more.
-    spread = (b.max(-1).values - b.min(-1).values).mean()
-    assert (a - b).abs().mean() < 0.08 * spread
-    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.9
+    # compounded over the layers. An expert choice that flips at a few positions moves those positions' rows
+    # far, so the bound is on the median position (over 400 prompts: at most 0.022 of the spread) and the mean
+    # only catches gross errors. The sharp check of where each block scale lands is the next test.
+    spread = b.max(-1).values - b.min(-1).values
+    per_position = (a - b).abs().mean(-1) / spread
+    assert per_position.median() < 0.03
+    assert per_position.mean() < 0.08
 
 
 def test_precision_fp8_on_float_checkpoint_agrees_with_fp8_checkpoint(fp8_checkpoints, gen):
