@@ -577,7 +577,8 @@ class LLMEngine:
         """Completion `index` shares the parent's prompt blocks and starts from its own first token."""
         child = Sequence(req.seq_ids[index], req.prompt_ids, self._max_len(len(req.prompt_ids), req.params), [token])
         self._seq_owner[child.seq_id] = (req, index)
-        self.scheduler.fork(req.seq_ids[0], child)
+        if child.num_tokens < child.max_len:  # else (max_tokens 1) _append finishes it by length: nothing to run
+            self.scheduler.fork(req.seq_ids[0], child)
 
     def _retire(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

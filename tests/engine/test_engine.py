@@ -142,6 +142,25 @@ def test_n_completions_share_the_prompt(checkpoint):
     assert stats.free_blocks == stats.num_blocks
 
 
+def test_n_completions_whose_first_token_is_their_last(checkpoint):
+    """n > 1 where the first token already ends every completion (max_tokens 1, or a prompt one token short of
+    max_model_len): the other completions finish with their token, beside a request that goes on."""
+    llm = LLM(str(checkpoint), backend="reference", dtype=torch.float32, progress=False)
+    rng = random.Random(5)
+    full = [rng.randrange(2, VOCAB) for _ in range(llm.engine.max_model_len - 1)]
+    outs = llm.generate([[5, 6, 7], full, [8, 9]],
+                        [SamplingParams(n=3, max_tokens=1, temperature=1.0, seed=1, logprobs=1, ignore_eos=True),
+                         SamplingParams(n=2, max_tokens=None, temperature=1.0, seed=2, ignore_eos=True),
+                         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    for out, n in zip(outs[:2], (3, 2)):
+        assert len(out.outputs) == n
+        assert all(len(c.token_ids) == 1 and c.finish_reason == "length" for c in out.outputs)
+    assert all(len(c.logprobs) == 1 for c in outs[0].outputs)
+    assert len(outs[2].outputs[0].token_ids) == 6
+    stats = llm.engine.stats()
+    assert stats.free_blocks == stats.num_blocks and stats.running == stats.waiting == 0
+
+
 def test_stop_conditions_and_min_tokens(checkpoint):
     llm = LLM(str(checkpoint), backend="reference", dtype=torch.float32, progress=False)
     prompt = [5, 6, 7, 8]
