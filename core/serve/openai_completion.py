@@ -1,7 +1,9 @@
 """POST /v1/completions: one engine request per prompt (a string, token ids, or a batch of either).
 
 Choice index = prompt index * n + completion index, as OpenAI numbers them. `echo` prepends the prompt's text
-(and, with logprobs, the prompt tokens' log-probabilities: the first has none).
+(and, with logprobs, the prompt tokens' log-probabilities: the first has none). `echo` with max_tokens 0 scores
+the prompt alone (lm-eval-style log-likelihoods): the engine prefills it and samples one token, which the
+response leaves out, so the prompt costs one forward pass and no decode step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Choice:
         self.started = False
         self.done = False
         self.logprobs_sent = 0
+        self.prompt_logprobs_sent = 0
         self.text_offset = 0
 
 
@@ -51,7 +54,7 @@ class CompletionHandler:
         prompts = [self._ids(p, req) for p in req.prompts]
         for ids in prompts:
             check_length(len(ids), req.max_tokens, self.serving.max_model_len, param="prompt")
-        params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+        params = sampling_params(req, max_tokens=1 if req.prompt_only else req.max_tokens, logprobs=req.logprobs,
                                  skip_special_tokens=req.skip_special_tokens,
                                  prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
         echoes = [self._echo_text(p, ids, req) for p, ids in zip(req.prompts, prompts)]
@@ -109,10 +112,13 @@ class CompletionHandler:
     def _logprobs(self, choice: _Choice, c: CompletionOutput, out: RequestOutput, req: CompletionRequest) -> dict[str, Any] | None:
         if req.logprobs is None or c.logprobs is None:
             return None
-        start, choice.logprobs_sent = choice.logprobs_sent, len(c.token_ids)
-        ids, positions = list(c.token_ids[start:]), list(c.logprobs[start:])
-        if start == 0 and req.echo and out.prompt_logprobs is not None:
-            ids, positions = choice.prompt_ids + ids, list(out.prompt_logprobs) + positions
+        ids, positions = [], []
+        if req.echo and out.prompt_logprobs is not None:  # as far as prefilled: a stream gets them chunk by chunk
+            done, choice.prompt_logprobs_sent = choice.prompt_logprobs_sent, len(out.prompt_logprobs)
+            ids, positions = choice.prompt_ids[done : len(out.prompt_logprobs)], list(out.prompt_logprobs[done:])
+        generated = _generated(c, req)
+        start, choice.logprobs_sent = choice.logprobs_sent, len(generated)
+        ids, positions = ids + list(generated[start:]), positions + list(c.logprobs[start : len(generated)])
         result = completion_logprobs(self.texts, ids, positions, req.logprobs, choice.text_offset)
         if result["text_offset"]:
             choice.text_offset = result["text_offset"][-1] + len(result["tokens"][-1])
@@ -136,10 +142,11 @@ class CompletionHandler:
                 raise InternalServerError("the engine ended a request without output")
             for c in final.outputs:
                 choice = choices[(i, c.index)]
-                result.append(CompletionChoice(index=choice.index, text=choice.echo + c.text,
+                finish, stop = _finish(c, req)
+                result.append(CompletionChoice(index=choice.index, text=choice.echo + ("" if req.prompt_only else c.text),
                                                logprobs=self._logprobs(choice, c, final, req),
-                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                completion += len(c.token_ids)
+                                               finish_reason=finish, stop_reason=stop))
+                completion += len(_generated(c, req))
         result.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p) for p in prompts)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
@@ -156,17 +163,17 @@ class CompletionHandler:
                     choice = choices[(i, c.index)]
                     if choice.done:
                         continue
-                    text = c.delta_text
+                    text = "" if req.prompt_only else c.delta_text
                     if not choice.started:
                         choice.started, text = True, choice.echo + text
                     logprobs = self._logprobs(choice, c, out, req)
                     choice.done = c.finish_reason is not None
-                    if text or logprobs or choice.done:
+                    if text or (logprobs and logprobs["tokens"]) or choice.done:
+                        finish, stop = _finish(c, req)
                         parts.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason,
-                                                      stop_reason=c.stop_reason if choice.done else None))
+                                                      finish_reason=finish, stop_reason=stop if choice.done else None))
                     if choice.done:
-                        completion += len(c.token_ids)
+                        completion += len(_generated(c, req))
                 if parts:
                     yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=parts))
         except EngineError as err:
@@ -178,6 +185,18 @@ class CompletionHandler:
             usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
             yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
         yield DONE
+
+
+def _generated(c: CompletionOutput, req: CompletionRequest) -> list[int]:
+    """The completion's tokens the response shows: none when only the prompt is scored."""
+    return [] if req.prompt_only else c.token_ids
+
+
+def _finish(c: CompletionOutput, req: CompletionRequest) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason): a scored prompt ends by length whatever the hidden token was."""
+    if req.prompt_only and c.finish_reason is not None:
+        return "length", None
+    return c.finish_reason, c.stop_reason
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -193,7 +193,7 @@ Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotat
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, score the prompt only (legacy OpenAI, vLLM)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -206,7 +206,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (scoring the prompt without generating)")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's text and log-probabilities, nothing generated."""
+        return self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -144,6 +144,40 @@ def test_echo_with_logprobs(client):
     assert lp.token_logprobs[0] is None and len(lp.tokens) > 2
 
 
+def test_echo_scores_prompts_chunk_by_chunk(make_server):
+    """echo + logprobs with the prompt prefilled in chunks of 16: the stream sends each prompt token's
+    log-probability once (as the non-streamed reply has them), and max_tokens 0 scores the prompt alone."""
+    server = make_server(max_num_batched_tokens=16)
+    prompt = "Hello world, what a day. " * 8
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        full = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0)
+        lp = full.choices[0].logprobs
+        n_prompt = full.usage.prompt_tokens
+        assert n_prompt > 32 and len(lp.tokens) == n_prompt + 3
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1,
+                                           temperature=0, stream=True))
+        parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == lp.tokens
+        assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+        assert [o for p in parts for o in p.text_offset] == lp.text_offset
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+
+        for stream in (False, True):
+            scored = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, n=2,
+                                          temperature=1.0, stream=stream)
+            choices = ([ch for chunk in scored for ch in chunk.choices] if stream else scored.choices)
+            for k in (0, 1):
+                mine = [ch for ch in choices if ch.index == k]
+                assert "".join(ch.text for ch in mine) == prompt
+                assert [t for ch in mine if ch.logprobs for t in ch.logprobs.tokens] == lp.tokens[:n_prompt]
+                assert [v for ch in mine if ch.logprobs for v in ch.logprobs.token_logprobs] == lp.token_logprobs[:n_prompt]
+                assert mine[-1].finish_reason == "length"
+            if not stream:
+                assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n_prompt
+        with pytest.raises(openai.BadRequestError, match="echo"):
+            c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def test_chat_logprobs_n_and_stop(client):
     r = client.chat.completions.create(model=MODEL, messages=WEATHER, n=2, logprobs=True, top_logprobs=2,
                                        max_completion_tokens=20, stop=["weather"])
