@@ -157,6 +157,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidInputError("prompt is a string but the model folder has no tokenizer.json; pass token ids instead")
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidInputError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
             raise InvalidInputError("a token-id prompt must be a list of integers")

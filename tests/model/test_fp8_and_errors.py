@@ -137,6 +137,11 @@ def test_prompt_errors(small_checkpoint):
         llm.generate([[5, 10_000]], SamplingParams(max_tokens=1))
     with pytest.raises(InvalidInputError, match="empty"):
         llm.generate([[]], SamplingParams(max_tokens=1))
+    for bad in (None, 7, b"\x05\x06", torch.tensor([5, 6])):  # neither a string nor a list of ids
+        with pytest.raises(InvalidInputError, match="a prompt must be a string or a list of token ids"):
+            llm.generate([[5, 6], bad], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidInputError, match="list of integers"):
+        llm.generate([[5, 6.0]], SamplingParams(max_tokens=1))
     with pytest.raises(InvalidInputError, match="max_model_len"):
         LLM(str(small_checkpoint), backend="reference", max_model_len=10_000)
     # Generation stops at max_model_len.
