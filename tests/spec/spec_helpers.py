@@ -7,10 +7,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import EngineConfig, ModelConfig
+from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.spec.drafter import Drafter, DraftRequest, Observation, Proposal
-from deepinfer.spec.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from deepinfer.spec.draws import draw
 from deepinfer.spec.prefix_scheduler import PrefixScheduler
 from deepinfer.spec.speculator import Speculator
@@ -97,24 +96,6 @@ def run(engine: LLMEngine, requests) -> dict[str, object]:
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     return run_to_completion(engine)
-
-
-def random_dspark(path: Path, out: Path, seed: int = 0, block: int = 4, window: int = 48) -> Path:
-    """A randomly initialised DSpark drafter for the checkpoint at `path` (losslessness does not need a good one)."""
-    cfg = ModelConfig.from_hf_dir(path)
-    dcfg = DSparkConfig(target_hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                        target_layers=(0, cfg.num_hidden_layers - 1), hidden_size=cfg.hidden_size, num_layers=1,
-                        num_heads=2, head_dim=cfg.hidden_size // 2, intermediate_size=2 * cfg.hidden_size,
-                        markov_rank=16, block_size=block, window=window)
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = DSparkModel(dcfg, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
-                        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
-    with torch.no_grad():  # a non-zero Markov head and a confidence spread, so every path is exercised
-        model.markov_w2.weight.normal_(0, 0.3, generator=gen)
-        model.confidence.proj.weight.normal_(0, 0.5, generator=gen)
-    save_dspark(out, model)
-    return out
 
 
 def scripted_speculator(continuations, k: int, vocab: int, mode: str = "fixed", **kw) -> Speculator:

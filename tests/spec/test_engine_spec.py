@@ -14,7 +14,8 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.spec.sps_profile import SPSCurve, SPSTable
 
-from spec_helpers import RecordingDrafter, engine, random_dspark, run, scripted_speculator
+from spec_helpers import RecordingDrafter, engine, run, scripted_speculator
+from tiny_checkpoints import random_dspark
 
 VOCAB = 96
 SPS_TABLE = ((1, 0.010), (4, 0.011), (16, 0.014), (64, 0.030), (256, 0.100))

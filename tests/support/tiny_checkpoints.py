@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from deepinfer.config import ModelConfig
 from deepinfer.quant import quantize_fp8_block
+from deepinfer.spec.dspark_model import DSparkConfig, DSparkModel, save_dspark
 
 BASE_V3: dict[str, Any] = dict(
     vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
@@ -139,3 +141,21 @@ def write_dequantized_copy(src: Path, dst: Path) -> Path:
     cfg.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+def random_dspark(path: Path, out: Path, seed: int = 0, block: int = 4, window: int = 48) -> Path:
+    """A randomly initialised DSpark drafter for the checkpoint at `path` (losslessness does not need a good one)."""
+    cfg = ModelConfig.from_hf_dir(path)
+    dcfg = DSparkConfig(target_hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                        target_layers=(0, cfg.num_hidden_layers - 1), hidden_size=cfg.hidden_size, num_layers=1,
+                        num_heads=2, head_dim=cfg.hidden_size // 2, intermediate_size=2 * cfg.hidden_size,
+                        markov_rank=16, block_size=block, window=window)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = DSparkModel(dcfg, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen),
+                        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    with torch.no_grad():  # a non-zero Markov head and a confidence spread, so every path is exercised
+        model.markov_w2.weight.normal_(0, 0.3, generator=gen)
+        model.confidence.proj.weight.normal_(0, 0.5, generator=gen)
+    save_dspark(out, model)
+    return out
