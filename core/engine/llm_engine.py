@@ -179,6 +179,9 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
         if bad is not None:
             raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        bad = next((t for t in params.logit_bias if t >= self.config.vocab_size), None)
+        if bad is not None:
+            raise InvalidInputError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise InvalidInputError("stop strings need a tokenizer; this model folder has none (use stop_token_ids)")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -1,6 +1,6 @@
 """Token sampling from float32 logits, one row per sequence.
 
-Order, as in vLLM: penalties (repetition, frequency, presence) and min_tokens on the raw logits, then
+Order, as in vLLM: penalties (repetition, frequency, presence), logit_bias and min_tokens on the raw logits, then
 temperature, top-k, top-p and min-p, then a draw. The draw is an exponential race (argmax p / E with
 E ~ Exp(1)) whose noise is a counter-based hash of (request seed, token position, token id), computed on the
 logits' device: a request's tokens depend on nothing else in the batch, nor on preemption and recomputation,
@@ -34,10 +34,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
 def apply_penalties_rows(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
                          output_ids: Sequence[Sequence[int]], pending: torch.Tensor | None,
                          suppressed: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Penalties, then min_tokens suppression (suppressed ids to -inf), for every row of float32 logits [R, V]
-    at once, on their device: repetition over prompt + output tokens (x / p where x > 0, else x * p), then
-    x - (frequency * count + presence * [count > 0]) over output tokens. A row's output is output_ids[r]
-    plus, where pending[r] >= 0, one token still on the device (overlapped scheduling)."""
+    """Penalties, then logit_bias, then min_tokens suppression (suppressed ids to -inf), for every row of float32
+    logits [R, V] at once, on their device: repetition over prompt + output tokens (x / p where x > 0, else
+    x * p), then x - (frequency * count + presence * [count > 0]) over output tokens, then x + bias. A row's
+    output is output_ids[r] plus, where pending[r] >= 0, one token still on the device (overlapped scheduling)."""
     rows = [r for r, p in enumerate(params) if needs_row_processing(p) or suppressed[r]]
     if not rows:
         return logits
@@ -64,6 +64,11 @@ def apply_penalties_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     sub = torch.where(seen & (rep != 1.0), torch.where(sub > 0, sub / rep, sub * rep), sub)
     freq, pres = column([params[r].frequency_penalty for r in rows]), column([params[r].presence_penalty for r in rows])
     sub = sub - (freq * counts + pres * (counts > 0).to(x.dtype))
+    biased = [(i, t, b) for i, r in enumerate(rows) for t, b in params[r].logit_bias.items()]
+    if biased:
+        index = to_device([v for i, t, _ in biased for v in (i, t)], torch.int64, device).view(-1, 2)
+        sub = sub.index_put((index[:, 0], index[:, 1]), to_device([b for _, _, b in biased], x.dtype, device),
+                            accumulate=True)
     banned = [(i, t) for i, r in enumerate(rows) for t in suppressed[r]]
     if banned:
         index = to_device([v for pair in banned for v in pair], torch.int64, device).view(-1, 2)
@@ -151,8 +156,10 @@ def apply_filters_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -
 
 
 def needs_row_processing(params: SamplingParams) -> bool:
-    """Penalties read each sequence's own history; such rows go through sample_token one by one."""
-    return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+    """Penalties read each sequence's own history, and a logit_bias is the request's own: such rows go through
+    apply_penalties_rows (and sample_token one by one)."""
+    return (params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+            or bool(params.logit_bias))
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],

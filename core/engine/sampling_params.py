@@ -31,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias; -100 bans, +100 forces).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Speculative decoding, per request: False opts out; max_draft_tokens caps the draft length. Neither can
     # change the output distribution (verification is lossless), only speed.
     dspark_speculation: bool | None = None
@@ -70,6 +72,14 @@ class SamplingParams:
                 raise InvalidInputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidInputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.logit_bias or {}, dict):
+            raise InvalidInputError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidInputError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100.0 <= bias <= 100.0:
+                raise InvalidInputError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token}")
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidInputError(f"n must be a positive integer, got {self.n!r}")
         if self.dspark_speculation is not None and not isinstance(self.dspark_speculation, bool):

@@ -2,7 +2,8 @@
 
 Length rule (as vLLM): prompt tokens + max_tokens must fit max_model_len; with no max_tokens the request may
 generate up to the window's end. Parameters the engine cannot honour yet are refused with a 400 naming
-them, never dropped: logit_bias, response_format other than text, best_of != n, suffix.
+them, never dropped: response_format other than text, best_of != n, suffix. logit_bias maps token ids (as
+strings, OpenAI's JSON form) to a bias in [-100, 100] added to their logits before sampling.
 `dspark_speculation` / `max_draft_tokens` are per-request speculation controls (False opts the request out;
 the cap limits its draft length). Verification is lossless, so they change speed only, never the output
 distribution; a server started without speculation accepts them too. The `x-deepinfer-speculation` header
@@ -20,8 +21,6 @@ SPECULATION_HEADER = "x-deepinfer-speculation"
 
 
 def check_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.logit_bias:
-        raise BadRequestError("logit_bias is not supported yet", param="logit_bias")
     if isinstance(req, ChatCompletionRequest):
         if req.response_format is not None and req.response_format.type != "text":
             raise BadRequestError(f"response_format {req.response_format.type!r} (structured output) is not supported yet",
@@ -55,6 +54,11 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams for `req`; an out-of-range value the engine rejects becomes a 400."""
     try:
+        logit_bias = {int(token): bias for token, bias in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise BadRequestError(f"logit_bias keys must be token ids, got {sorted(req.logit_bias)!r}",
+                              param="logit_bias") from None
+    try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -75,6 +79,7 @@ def sampling_params(
             n=req.n,
             dspark_speculation=req.dspark_speculation,
             max_draft_tokens=req.max_draft_tokens,
+            logit_bias=logit_bias,
         )
     except InvalidInputError as err:
         raise BadRequestError(str(err)) from None

@@ -118,7 +118,7 @@ class _SamplingFields(_Strict):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id (a string) -> bias
     user: str | None = None
     # vLLM's sampling extensions.
     top_k: int | None = Field(default=None, ge=-1)

@@ -2,7 +2,7 @@
 
 rows[i] are the target's logits at the anchor (i = 0) and after draft i (i >= 1), so rows[i] scores the token
 that follows d_1..d_i. Each row is processed exactly as the plain sampler would process it had d_1..d_i been
-generated (penalties over the output so far plus the drafts, min_tokens suppression at that length).
+generated (penalties over the output so far plus the drafts, logit_bias, min_tokens suppression at that length).
 
 Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the target's own
 token. Sampled requests use rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept d_i with
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.sampler import apply_filters, apply_penalties, sample_token
+from deepinfer.engine.sampler import apply_filters, apply_penalties, needs_row_processing, sample_token
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.spec.draws import draw, temperature_only, uniform
 from deepinfer.spec.drafter import Proposal, SpeculativeError
@@ -65,8 +65,7 @@ def _processed(row: torch.Tensor, ctx: VerifyContext, drafts: list[int], i: int)
 
 
 def _needs_processing(ctx: VerifyContext, n: int) -> bool:
-    p = ctx.params
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+    if needs_row_processing(ctx.params):
         return True
     return any(ctx.suppressed(len(ctx.output_ids) + i) for i in range(n + 1))
 

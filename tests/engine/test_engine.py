@@ -185,6 +185,26 @@ def test_penalties_change_distribution(checkpoint):
     assert len(set(penal)) >= len(set(plain))
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_logit_bias_forces_and_bans_tokens(checkpoint, overlap):
+    """+100 makes a token the greedy pick at every step, beside an unbiased request in the same batches; -100
+    on each token the unbiased run picks keeps it out; a token id outside the vocabulary is refused."""
+    engine = make_engine(checkpoint, kv_cache_memory=1 << 24, overlap_scheduling=overlap)
+    prompt = [5, 6, 7, 8]
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("plain", prompt, SamplingParams(**greedy))
+    plain = run_all(engine)["plain"].outputs[0].token_ids
+    never = next(t for t in range(2, VOCAB) if t not in plain)
+    engine.add_request("again", prompt, SamplingParams(**greedy))
+    engine.add_request("forced", prompt, SamplingParams(**greedy, logit_bias={never: 100.0}))
+    out = run_all(engine)
+    assert out["forced"].outputs[0].token_ids == [never] * 8 and out["again"].outputs[0].token_ids == plain
+    engine.add_request("banned", prompt, SamplingParams(**greedy, logit_bias={t: -100.0 for t in set(plain)}))
+    assert not set(run_all(engine)["banned"].outputs[0].token_ids) & set(plain)
+    with pytest.raises(InvalidInputError, match="logit_bias token id 96"):
+        engine.add_request("bad", prompt, SamplingParams(**greedy, logit_bias={VOCAB: 1.0}))
+
+
 def test_request_that_can_never_fit_is_rejected(checkpoint):
     probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
     engine = make_engine(checkpoint, kv_cache_memory=2 * block_bytes(probe))

@@ -1,8 +1,8 @@
 """A random soak of the engine: fresh random engine configurations (block size, token budget, cache pressure,
 prefix caching, chunked prefill, overlap, batch invariance, MTP or DSpark speculation) against fresh random
-request mixes (shared prefixes, n > 1, greedy and seeded sampling, penalties, logprobs, prompt logprobs, stop
-ids, min_tokens, requests arriving and aborted mid-run). The fixed-seed engine tests cover each feature; this
-covers their combinations, where an n > 1 request with max_tokens 1 once failed the whole step.
+request mixes (shared prefixes, n > 1, greedy and seeded sampling, penalties, logit_bias, logprobs, prompt
+logprobs, stop ids, min_tokens, requests arriving and aborted mid-run). The fixed-seed engine tests cover each
+feature; this covers their combinations, where an n > 1 request with max_tokens 1 once failed the whole step.
 
 What must hold in every run: no step raises; every request ends with one output per completion, of the
 length its parameters allow, with one logprob entry per token (and per prompt token); every block is free
@@ -78,6 +78,8 @@ def random_params(rng: random.Random) -> SamplingParams:
         kw["stop_token_ids"] = [rng.randrange(2, VOCAB)]
     if rng.random() < 0.2:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+    if rng.random() < 0.2:
+        kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -2.0, 1.5, 3.0, 100.0]) for _ in range(3)}
     return SamplingParams(**kw)
 
 

@@ -10,6 +10,7 @@ from scipy.stats import chisquare, kstest
 
 from deepinfer.engine.sampler import exponential_from_bits_, keyed_exponential, sample_rows, sample_token
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.errors import InvalidInputError
 
 
 def expected_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -121,3 +122,35 @@ def test_penalties_and_suppression_on_the_one_row_path(gen):
     second = int(logits.clone().index_fill_(0, torch.tensor([top]), float("-inf")).argmax())
     if logits[top] / 2.0 < logits[second]:
         assert sample_token(logits, penalised, 1, 0, [top], []) == second
+
+
+def test_logit_bias_shifts_the_distribution_by_its_bias(gen):
+    """Seeded draws over many positions follow softmax((logits + bias) / T), computed in numpy; +100 forces a
+    token under greedy decoding and -100 bans the top one; the bias comes before min_tokens suppression."""
+    vocab, draws = 10, 6000
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    tokens = torch.randperm(vocab, generator=gen)[:3].tolist()
+    bias = {tokens[0]: 2.0, tokens[1]: -1.5, tokens[2]: 0.7}
+    params = SamplingParams(temperature=0.8, logit_bias=bias)
+    shifted = logits.numpy().astype(np.float64) + np.array([bias.get(t, 0.0) for t in range(vocab)])
+    want = expected_probs(shifted, params)
+    seed = int(torch.randint(0, 2**31, (), generator=gen))
+    picks = [sample_token(logits, params, seed, pos, [], []) for pos in range(draws)]
+    counts = np.bincount(picks, minlength=vocab)
+    assert chisquare(counts, want * draws).pvalue > 1e-4
+    unbiased = np.bincount([sample_token(logits, SamplingParams(temperature=0.8), seed, pos, [], [])
+                            for pos in range(draws)], minlength=vocab)
+    assert chisquare(unbiased, want * draws).pvalue < 1e-6  # the test sees a missing bias
+
+    top, low = int(logits.argmax()), int(logits.argmin())
+    assert sample_token(logits, SamplingParams(temperature=0.0, logit_bias={low: 100.0}), 1, 0, [], []) == low
+    assert sample_token(logits, SamplingParams(temperature=0.0, logit_bias={top: -100.0}), 1, 0, [], []) != top
+    forced = SamplingParams(temperature=0.0, logit_bias={low: 100.0})
+    assert sample_token(logits, forced, 1, 0, [], [], suppressed_ids=[low]) != low
+
+
+@pytest.mark.parametrize("bias,match", [({-1: 1.0}, "non-negative"), ({3: 100.5}, r"\[-100, 100\]"),
+                                        ({3: "x"}, "numbers"), ([3], "dict"), ({True: 1.0}, "token ids")])
+def test_logit_bias_is_checked(bias, match):
+    with pytest.raises(InvalidInputError, match=match):
+        SamplingParams(logit_bias=bias)

@@ -7,6 +7,7 @@ import json
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from conftest import ANSWER, REASONING, TOOL_ARGS, WEATHER_TOOL
 
@@ -176,6 +177,17 @@ def test_echo_scores_prompts_chunk_by_chunk(make_server):
                 assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == n_prompt
         with pytest.raises(openai.BadRequestError, match="echo"):
             c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
+def test_logit_bias_forces_and_bans(client, checkpoint):
+    """OpenAI's logit_bias (token id strings -> bias) reaches the sampler: +100 makes a token every greedy pick
+    (+50 on a second one loses to it), and -100 on the first hands every pick to the second."""
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    first, second = [i for i in range(40, tok.get_vocab_size()) if tok.decode([i]).strip().isalpha()][:2]
+    for bias, want in (({first: 100, second: 50}, first), ({first: -100, second: 50}, second)):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                      logit_bias={str(t): b for t, b in bias.items()})
+        assert r.choices[0].text == tok.decode([want] * 4)
 
 
 def test_chat_logprobs_n_and_stop(client):
