@@ -566,7 +566,7 @@ class LLMEngine:
             status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif not params.ignore_eos and token in self._eos:
             status = SequenceStatus.FINISHED_STOPPED
-        elif checker.decodes and checker.add(token) is not None:
+        elif checker.decodes and checker.add(token, match=len(comp.token_ids) > params.min_tokens) is not None:
             status, comp.stop_reason = SequenceStatus.FINISHED_STOPPED, checker.matched
         elif len(req.prompt_ids) + len(comp.token_ids) >= self._max_len(len(req.prompt_ids), params):
             status = SequenceStatus.FINISHED_LENGTH

@@ -23,7 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = 0  # before this many tokens no EOS, stop id or stop string ends the output (vLLM)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -21,13 +21,14 @@ class StopStringChecker:
         self._emitted = 0  # characters of `text` already handed out as deltas
         self.matched: str | None = None
 
-    def add(self, token_id: int) -> str | None:
-        """Decode one more token; return the stop string if this token completed one."""
+    def add(self, token_id: int, match: bool = True) -> str | None:
+        """Decode one more token; return the stop string if this token completed one. match False (min_tokens
+        not reached, as vLLM): decode only; a later token matches only strings that end in its own text."""
         if self._detok is None or self.matched is not None:
             return None
         before = len(self.text)
         self.text += self._detok.add(token_id)
-        if not self._stop:
+        if not self._stop or not match:
             return None
         start = max(0, before - self._longest + 1)
         hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) != -1]

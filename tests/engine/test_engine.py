@@ -12,6 +12,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.errors import InvalidInputError
+from deepinfer.models import embedded_model_path
 
 from engine_loop import run_to_completion
 from tiny_checkpoints import build_hf_model, save_checkpoint
@@ -174,6 +175,23 @@ def test_stop_conditions_and_min_tokens(checkpoint):
     assert stop_at not in delayed.token_ids[: first + 2]
     with pytest.raises(InvalidInputError, match="tokenizer"):
         llm.generate([prompt], SamplingParams(max_tokens=3, stop=["x"]))
+
+
+def test_min_tokens_holds_back_stop_strings():
+    """As vLLM: before min_tokens a stop string ends nothing (nor does EOS or a stop id); a token after it
+    matches only a string ending in its own text. On the embedded model, whose folder has a tokenizer."""
+    llm = LLM(str(embedded_model_path()), backend="reference", dtype=torch.float32, progress=False)
+    tok = llm.engine.tokenizer
+    greedy = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy))[0].outputs[0].token_ids
+    texts = [tok.decode(free[: i + 1]) for i in range(len(free))]
+    # The first token whose new text is a string not seen before it: the stop string.
+    i, stop = next((i, t[len(p):]) for i, (p, t) in enumerate(zip(texts, texts[1:]), 1)
+                   if t[len(p):].strip() and t[len(p):] not in p)
+    cut = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == free[: i + 1] and cut.text == texts[i - 1]
+    held = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy, stop=[stop], min_tokens=i + 1))[0].outputs[0]
+    assert held.token_ids[: i + 2] == free[: i + 2] and held.text.startswith(texts[i])
 
 
 def test_penalties_change_distribution(checkpoint):
