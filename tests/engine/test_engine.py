@@ -190,8 +190,11 @@ def test_min_tokens_holds_back_stop_strings():
                    if t[len(p):].strip() and t[len(p):] not in p)
     cut = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.token_ids == free[: i + 1] and cut.text == texts[i - 1]
-    held = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy, stop=[stop], min_tokens=i + 1))[0].outputs[0]
-    assert held.token_ids[: i + 2] == free[: i + 2] and held.text.startswith(texts[i])
+    for min_tokens in (i + 1, i + 3):  # the stop string's token is the min_tokens-th, or well inside them
+        held = llm.generate(["def fibonacci(n):"], SamplingParams(**greedy, stop=[stop], min_tokens=min_tokens))
+        out = held[0].outputs[0]
+        assert len(out.token_ids) > min_tokens and out.token_ids[: i + 2] == free[: i + 2]
+        assert out.text.startswith(texts[i])
 
 
 def test_penalties_change_distribution(checkpoint):
