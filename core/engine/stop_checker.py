@@ -30,8 +30,9 @@ class StopStringChecker:
         self.text += self._detok.add(token_id)
         if not self._stop or not match:
             return None
-        start = max(0, before - self._longest + 1)
-        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) != -1]
+        # Each string only where it would end in this token's text (one that ended earlier, held back by
+        # min_tokens, stays unmatched).
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
             index, self.matched = min(hits)
             self.text = self.text[:index]
