@@ -493,6 +493,8 @@ class LLMEngine:
             if item.num_new_tokens != 1 or item.num_lookahead_slots == 0:
                 continue  # prompts (and recomputations) finish without drafts
             req, index = self._seq_owner[item.seq.seq_id]
+            if not req.forked:  # a prompt's last token (a one-token chunk): n > 1 forks from its plain sample
+                continue
             params = req.params
             limit = min(item.num_lookahead_slots, k if params.max_draft_tokens is None else params.max_draft_tokens)
             if params.dspark_speculation is False or limit == 0:

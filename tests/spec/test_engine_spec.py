@@ -259,6 +259,28 @@ def test_dspark_with_forks(mtp_checkpoint, dspark_dir, reference):
     assert not eng.speculator.drafter._ctx  # every sequence's state was released
 
 
+@pytest.mark.parametrize("drafter", ["mtp-1", "dspark-block"])
+def test_forks_when_the_prompt_ends_in_a_one_token_chunk(mtp_checkpoint, dspark_dir, reference, drafter):
+    """A prompt one token longer than the token budget ends in a one-token chunk, which may carry drafts: its
+    n > 1 completions still fork there (they hung, never forked, before) and equal non-speculative decoding."""
+    reqs, _, _ = reference
+    budget = 16
+    prompt = list(reqs[0][1] * 20)[:budget] + [5]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
+    plain = tokens_of(run(engine(mtp_checkpoint, max_num_batched_tokens=budget), [("a", prompt, params)]))
+    options = dict(DRAFTERS[drafter], max_num_batched_tokens=budget)
+    if options["speculative_engine"] == "dspark":
+        options["dspark_model"] = str(dspark_dir)
+    eng = engine(mtp_checkpoint, **options)
+    eng.add_request("a", prompt, params)
+    final = {}
+    for _ in range(200):  # a bound instead of a hang
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+        if not eng.has_unfinished():
+            break
+    assert tokens_of(final) == plain and [len(c) for c in plain["a"]] == [10, 10]
+
+
 def test_out_of_memory_while_drafting_fails_the_step_only(mtp_checkpoint, reference, monkeypatch):
     """Drafting runs forwards too: out of device memory there ends that step's requests with an error, as
     in the target forward, and the engine serves on with the same greedy tokens."""
