@@ -28,6 +28,7 @@ from tiny_checkpoints import build_hf_model, random_dspark, save_checkpoint
 
 VOCAB = 96
 TRIALS = 6
+MAX_STEPS = 20_000  # a run needs hundreds to a few thousand: far more is a request the engine never finishes
 TIE = 1e-4  # log-probability gap under which two tokens are a float32 tie (sums in another order may flip it)
 
 
@@ -48,7 +49,7 @@ def random_config(rng: random.Random, dspark) -> dict:
     cfg = dict(block_size=block, max_num_seqs=rng.choice([2, 8, 32]), enable_prefix_caching=rng.random() < 0.6,
                enable_chunked_prefill=rng.random() < 0.8, overlap_scheduling=rng.random() < 0.5,
                batch_invariant=rng.random() < 0.3)
-    cfg["max_num_batched_tokens"] = rng.choice([16, 40, 96, 4096]) if cfg["enable_chunked_prefill"] else 512
+    cfg["max_num_batched_tokens"] = rng.choice([8, 16, 40, 96, 4096]) if cfg["enable_chunked_prefill"] else 512
     # Under pressure: 768 to 2560 cache tokens for up to 40 requests of up to ~250 tokens (preemption).
     cfg["cache_tokens"] = rng.choice([768, 1280, 2560]) if rng.random() < 0.5 else None
     mode = rng.random()
@@ -61,13 +62,12 @@ def random_config(rng: random.Random, dspark) -> dict:
 
 
 def random_params(rng: random.Random) -> SamplingParams:
-    kw: dict = dict(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.8)
+    kw: dict = dict(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.8, n=rng.choice([1, 1, 2, 3]))
     if rng.random() < 0.5:
         kw["temperature"] = 0.0
     else:
         kw.update(temperature=rng.choice([0.5, 1.0, 1.5]), top_p=rng.choice([1.0, 0.8]), top_k=rng.choice([0, 5, 40]),
-                  min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(1 << 30) if rng.random() < 0.7 else None,
-                  n=rng.choice([1, 1, 2, 3]))
+                  min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(1 << 30) if rng.random() < 0.7 else None)
         if rng.random() < 0.3:
             kw.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
     if rng.random() < 0.3:
@@ -98,7 +98,9 @@ def drive(engine: LLMEngine, reqs, rng: random.Random) -> tuple[dict, set[str]]:
     later, final, aborted = list(reqs[len(reqs) // 2 :]), {}, set()
     for rid, prompt, params in reqs[: len(reqs) // 2]:
         engine.add_request(rid, prompt, params)
-    while engine.has_unfinished() or later:
+    for _ in range(MAX_STEPS):
+        if not (engine.has_unfinished() or later):
+            break
         if later and (rng.random() < 0.3 or not engine.has_unfinished()):
             engine.add_request(*later.pop(0))
         final.update((out.request_id, out) for out in engine.step() if out.finished)
@@ -107,6 +109,7 @@ def drive(engine: LLMEngine, reqs, rng: random.Random) -> tuple[dict, set[str]]:
             if victim not in final and (out := engine.abort(victim)) is not None:
                 aborted.add(victim)
                 final[victim] = out
+    assert not engine.has_unfinished(), "the engine still holds requests after MAX_STEPS steps"
     return final, aborted
 
 
