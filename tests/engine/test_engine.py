@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.errors import InvalidInputError
 from deepinfer.models import embedded_model_path
 
-from engine_loop import run_to_completion
+from engine_loop import reference_engine, run_to_completion
 from tiny_checkpoints import build_hf_model, save_checkpoint
 
 VOCAB = 96
@@ -24,12 +23,6 @@ VOCAB = 96
 def checkpoint(tmp_path_factory):
     hf = build_hf_model("deepseek_v3", seed=11, max_position_embeddings=512)
     return save_checkpoint(hf, tmp_path_factory.mktemp("engine-model"))
-
-
-def make_engine(path, **options) -> LLMEngine:
-    options.setdefault("dtype", "float32")
-    options.setdefault("progress", False)
-    return LLMEngine.from_config(EngineConfig(model=str(path), backend="reference", **options))
 
 
 def run_all(engine: LLMEngine) -> dict[str, object]:
@@ -58,10 +51,10 @@ def block_bytes(engine: LLMEngine) -> int:
 def test_many_requests_under_cache_pressure(checkpoint):
     rng = random.Random(1234)
     reqs = random_requests(rng, 64)
-    probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    probe = reference_engine(checkpoint, kv_cache_memory=1 << 24)
     # A cache of 12 blocks (768 tokens) for 64 requests: forces preemption; a small token budget forces
     # chunked prefill of the long prompts.
-    engine = make_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
+    engine = reference_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
     first = run_all(engine)
@@ -70,14 +63,14 @@ def test_many_requests_under_cache_pressure(checkpoint):
     assert stats.free_blocks == stats.num_blocks
 
     # Greedy requests equal the same request run alone; seeded sampled requests repeat exactly.
-    alone = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    alone = reference_engine(checkpoint, kv_cache_memory=1 << 24)
     for rid, prompt, params in reqs:
         if params.temperature == 0.0 or rid in ("r1", "r3", "r5"):
             alone.add_request(rid, prompt, params)
             solo = run_all(alone)[rid]
             assert solo.outputs[0].token_ids == first[rid].outputs[0].token_ids, rid
         assert len(first[rid].outputs[0].token_ids) == params.max_tokens
-    again = make_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
+    again = reference_engine(checkpoint, kv_cache_memory=12 * block_bytes(probe), max_num_batched_tokens=96, max_num_seqs=16)
     for rid, prompt, params in reqs:
         again.add_request(rid, prompt, params)
     second = run_all(again)
@@ -88,7 +81,7 @@ def test_many_requests_under_cache_pressure(checkpoint):
 def test_abort_half_midway_frees_every_block(checkpoint):
     rng = random.Random(99)
     reqs = random_requests(rng, 32)
-    engine = make_engine(checkpoint, kv_cache_memory=1 << 22, max_num_batched_tokens=64, max_num_seqs=8)
+    engine = reference_engine(checkpoint, kv_cache_memory=1 << 22, max_num_batched_tokens=64, max_num_seqs=8)
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
     done = set()
@@ -117,7 +110,7 @@ def test_prefix_cache_hits_and_same_tokens(checkpoint):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     def run(enable: bool):
-        engine = make_engine(checkpoint, kv_cache_memory=1 << 24, enable_prefix_caching=enable)
+        engine = reference_engine(checkpoint, kv_cache_memory=1 << 24, enable_prefix_caching=enable)
         outs = []
         for i, p in enumerate(prompts):  # one after another, so later ones find the prefix cached
             engine.add_request(f"p{i}", p, params)
@@ -210,7 +203,7 @@ def test_penalties_change_distribution(checkpoint):
 def test_logit_bias_forces_and_bans_tokens(checkpoint, overlap):
     """+100 makes a token the greedy pick at every step, beside an unbiased request in the same batches; -100
     on each token the unbiased run picks keeps it out; a token id outside the vocabulary is refused."""
-    engine = make_engine(checkpoint, kv_cache_memory=1 << 24, overlap_scheduling=overlap)
+    engine = reference_engine(checkpoint, kv_cache_memory=1 << 24, overlap_scheduling=overlap)
     prompt = [5, 6, 7, 8]
     greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request("plain", prompt, SamplingParams(**greedy))
@@ -227,8 +220,8 @@ def test_logit_bias_forces_and_bans_tokens(checkpoint, overlap):
 
 
 def test_request_that_can_never_fit_is_rejected(checkpoint):
-    probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
-    engine = make_engine(checkpoint, kv_cache_memory=2 * block_bytes(probe))
+    probe = reference_engine(checkpoint, kv_cache_memory=1 << 24)
+    engine = reference_engine(checkpoint, kv_cache_memory=2 * block_bytes(probe))
     with pytest.raises(InvalidInputError):
         engine.add_request("big", list(range(2, 90)) * 2, SamplingParams(max_tokens=10))
     engine.add_request("ok", [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
@@ -242,7 +235,7 @@ def test_batch_invariant_mode_bit_identical(checkpoint):
               SamplingParams(max_tokens=12, temperature=0.8, seed=42, logprobs=3, ignore_eos=True))
 
     def run(others: int):
-        engine = make_engine(checkpoint, kv_cache_memory=1 << 24, batch_invariant=True, max_num_batched_tokens=64)
+        engine = reference_engine(checkpoint, kv_cache_memory=1 << 24, batch_invariant=True, max_num_batched_tokens=64)
         engine.add_request(*target)
         for rid, prompt, params in random_requests(random.Random(others), others):
             engine.add_request(rid, prompt, params)
@@ -278,8 +271,8 @@ def test_overlapped_scheduling_changes_nothing_but_timing(checkpoint):
             params.logprobs = i % 4  # 1 or 3: top-n of each size, and the chosen token's entry
 
     def run(overlap: bool):
-        probe = make_engine(checkpoint, kv_cache_memory=1 << 24)
-        engine = make_engine(checkpoint, kv_cache_memory=14 * block_bytes(probe), max_num_batched_tokens=96,
+        probe = reference_engine(checkpoint, kv_cache_memory=1 << 24)
+        engine = reference_engine(checkpoint, kv_cache_memory=14 * block_bytes(probe), max_num_batched_tokens=96,
                              max_num_seqs=12, overlap_scheduling=overlap)
         deferred = []
         for rid, prompt, params in reqs:
@@ -310,11 +303,11 @@ def test_outputs_are_snapshots(checkpoint):
     outputs) changes nothing the engine computes."""
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    clean = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    clean = reference_engine(checkpoint, kv_cache_memory=1 << 24)
     clean.add_request("a", prompt, params)
     expected = run_all(clean)["a"].outputs[0].token_ids
 
-    engine = make_engine(checkpoint, kv_cache_memory=1 << 24)
+    engine = reference_engine(checkpoint, kv_cache_memory=1 << 24)
     engine.add_request("a", list(prompt), params)
     seen = []
     while engine.has_unfinished():

@@ -19,11 +19,10 @@ import random
 import pytest
 import torch
 
-from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sampling_params import SamplingParams
 
-from engine_loop import run_to_completion
+from engine_loop import reference_engine, run_to_completion
 from tiny_checkpoints import build_hf_model, random_dspark, save_checkpoint
 
 VOCAB = 96
@@ -37,11 +36,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     target = save_checkpoint(build_hf_model("deepseek_v3", seed=11, max_position_embeddings=512), root / "t", mtp=True)
     return target, random_dspark(target, root / "dspark")
-
-
-def make_engine(path, **options) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(path), backend="reference", dtype="float32", progress=False,
-                                              **options))
 
 
 def random_config(rng: random.Random, dspark) -> dict:
@@ -155,18 +149,18 @@ def check_outputs(reqs, final, aborted, solo: LLMEngine, cfg: dict) -> None:
 
 def test_random_configurations_and_request_mixes(models, gen):
     target, dspark = models
-    probe = make_engine(target, kv_cache_memory=1 << 24)
+    probe = reference_engine(target, kv_cache_memory=1 << 24)
     token_bytes = probe.runner.spec.bytes_per_token * probe.model.num_cache_layers
     for _ in range(TRIALS):
         rng = random.Random(int(torch.randint(0, 2**62, (), generator=gen)))
         cfg = random_config(rng, dspark)
         cache_tokens = cfg.pop("cache_tokens")
-        engine = make_engine(target, kv_cache_memory=(cache_tokens or 1 << 14) * token_bytes, **cfg)
+        engine = reference_engine(target, kv_cache_memory=(cache_tokens or 1 << 14) * token_bytes, **cfg)
         cfg["cache_tokens"] = cache_tokens
         reqs = random_requests(rng)
         final, aborted = drive(engine, reqs, rng)
         stats = engine.stats()
         assert stats.free_blocks == stats.num_blocks and stats.running == stats.waiting == 0, cfg
-        solo = make_engine(target, kv_cache_memory=1 << 24, block_size=cfg["block_size"], load_mtp=False,
+        solo = reference_engine(target, kv_cache_memory=1 << 24, block_size=cfg["block_size"], load_mtp=False,
                            batch_invariant=cfg["batch_invariant"])
         check_outputs(reqs, final, aborted, solo, cfg)

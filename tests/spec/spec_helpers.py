@@ -7,14 +7,13 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.spec.drafter import Drafter, DraftRequest, Observation, Proposal
 from deepinfer.spec.draws import draw
 from deepinfer.spec.prefix_scheduler import PrefixScheduler
 from deepinfer.spec.speculator import Speculator
 
-from engine_loop import run_to_completion
+from engine_loop import reference_engine, run_to_completion
 
 
 class ScriptedDrafter(Drafter):
@@ -85,11 +84,9 @@ class RecordingDrafter(Drafter):
 
 
 def engine(path: Path, speculator=None, **options) -> LLMEngine:
-    options.setdefault("dtype", "float32")
-    options.setdefault("progress", False)
     options.setdefault("batch_invariant", True)
     options.setdefault("kv_cache_memory", 1 << 24)
-    return LLMEngine.from_config(EngineConfig(model=str(path), backend="reference", **options), speculator)
+    return reference_engine(path, speculator, **options)
 
 
 def run(engine: LLMEngine, requests) -> dict[str, object]:
