@@ -72,9 +72,10 @@ class SamplingParams:
                 raise InvalidInputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidInputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.logit_bias or {}, dict):
+        self.logit_bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(self.logit_bias, dict):
             raise InvalidInputError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
-        self.logit_bias = dict(self.logit_bias or {})
+        self.logit_bias = dict(self.logit_bias)  # the caller's dict stays the caller's
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise InvalidInputError(f"logit_bias keys must be non-negative token ids, got {token!r}")
